@@ -1,0 +1,186 @@
+"""Behaviour spec loader: a tiny valid spec loads; broken specs fail naming the field; the catalogue is sound."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from variants.spec import (BehaviorSpec, SpecError, list_behaviors, load_behavior, parse_behavior,
+                           plain_prompt, spec_hash)
+
+TINY = {
+    "name": "tiny",
+    "version": 1,
+    "description": "Shorter answers (test spec).",
+    "directions": [
+        {
+            "name": "concise",
+            "wanted_system": "Answer in as few words as possible.",
+            "unwanted_system": "Answer in great detail.",
+            "pairs": {
+                "train": [
+                    {"prompt": "What is the boiling point of water?", "wanted": "100 °C at sea level.",
+                     "unwanted": "Great question! Water boils at 100 degrees Celsius at sea level, which ..."},
+                    {"prompt": [{"role": "system", "content": "You are helpful."},
+                                {"role": "user", "content": "How many legs has a spider?"}],
+                     "wanted": "Eight.", "unwanted": "Spiders, which are arachnids, have eight legs in total."},
+                ],
+                "validation": [{"prompt": "Capital of France?", "keywords": ["Paris"]}],
+            },
+        }
+    ],
+    "heldout": [{"prompt": "What is the speed of light?", "keywords": ["299", "792"]}],
+    "preserve": ["Tell me about the history of Rome."],
+    "quality": "keywords",
+    "defaults": {"method": "steer", "rank": 2, "strength_grid": [0.1, 0.2], "lambda": 0.5},
+    "gate": {"min_effect": 0.3, "max_argmax_flips": 0},
+}
+
+
+def _write(tmp_path: Path, data, name: str = "tiny.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_tiny_spec_loads_from_path(tmp_path):
+    spec = load_behavior(_write(tmp_path, TINY))
+    assert isinstance(spec, BehaviorSpec)
+    assert spec.name == "tiny" and spec.version == 1
+    assert spec.directions[0].name == "concise"
+    assert spec.defaults.rank == 2 and spec.defaults.lam == 0.5 and spec.defaults.method == "steer"
+    assert spec.defaults.strength == "auto"  # default kept where the file is silent
+    assert spec.gate.min_effect == 0.3 and spec.gate.max_first_token_kl == 0.1
+    assert spec.pair_counts() == {"train": 2, "validation": 1, "heldout": 1, "preserve": 1}
+    assert spec.spec_hash == spec_hash(TINY) and len(spec.spec_hash) == 64
+    with pytest.raises(Exception):
+        spec.name = "other"  # frozen
+
+
+def test_to_contrast_pairs_gives_plain_data(tmp_path):
+    spec = load_behavior(str(_write(tmp_path, TINY)))
+    pairs = spec.to_contrast_pairs()
+    assert len(pairs) == 2
+    assert set(pairs[0]) == {"prompt", "wanted", "unwanted", "wanted_system", "unwanted_system"}
+    assert pairs[0]["prompt"] == "What is the boiling point of water?"
+    assert pairs[0]["wanted_system"] == "Answer in as few words as possible."
+    assert pairs[1]["prompt"] == [{"role": "system", "content": "You are helpful."},
+                                  {"role": "user", "content": "How many legs has a spider?"}]
+    assert json.loads(json.dumps(pairs)) == pairs  # plain, JSON-able
+    assert spec.to_contrast_pairs("concise") == pairs
+    with pytest.raises(SpecError, match="no direction 'nope'"):
+        spec.to_contrast_pairs("nope")
+    assert spec.heldout_items() == [{"prompt": "What is the speed of light?", "keywords": ["299", "792"],
+                                     "avoid": []}]
+    assert spec.validation_items()[0]["keywords"] == ["Paris"]
+    assert spec.preserve_prompts() == ["Tell me about the history of Rome."]
+
+
+def test_hash_is_canonical():
+    reordered = json.loads(json.dumps(TINY, sort_keys=True))
+    assert parse_behavior(reordered).spec_hash == parse_behavior(TINY).spec_hash
+    changed = copy.deepcopy(TINY)
+    changed["description"] = "Different."
+    assert parse_behavior(changed).spec_hash != parse_behavior(TINY).spec_hash
+
+
+def _broken(mutate) -> str:
+    data = copy.deepcopy(TINY)
+    mutate(data)
+    with pytest.raises(SpecError) as info:
+        parse_behavior(data, source="t.json")
+    return str(info.value)
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: d["directions"][0]["pairs"]["train"][1].__setitem__("wanted", ""),
+     "directions[0].pairs.train[1].wanted: missing or empty"),
+    (lambda d: d["directions"][0]["pairs"]["train"][0].pop("unwanted"),
+     "directions[0].pairs.train[0].unwanted: missing"),
+    (lambda d: d.__setitem__("colour", "red"), "colour: unknown key"),
+    (lambda d: d["defaults"].__setitem__("rnak", 2), "defaults.rnak: unknown key"),
+    (lambda d: d["defaults"].__setitem__("rank", "2"), "defaults.rank: must be an integer, got a string"),
+    (lambda d: d["defaults"].__setitem__("rank", 0), "defaults.rank: must be ≥ 1"),
+    (lambda d: d["defaults"].__setitem__("method", "magic"), "defaults.method: must be one of"),
+    (lambda d: d["gate"].__setitem__("max_first_token_kl", True), "gate.max_first_token_kl: must be a number"),
+    (lambda d: d.__setitem__("quality", "vibes"), "quality: must be one of"),
+    (lambda d: d.__setitem__("version", 1.5), "version: must be an integer"),
+    (lambda d: d.__setitem__("name", "Bad Name"), "name: must match"),
+    (lambda d: d.pop("heldout"), "heldout: missing"),
+    (lambda d: d["directions"][0]["pairs"].__setitem__("train", []),
+     "directions[0].pairs.train: needs at least one pair"),
+    (lambda d: d["directions"][0]["pairs"]["train"][1]["prompt"].append({"role": "assistant", "content": "x"}),
+     "directions[0].pairs.train[1].prompt: a chat prompt must end with a user message"),
+    (lambda d: d["directions"][0]["pairs"]["train"][1]["prompt"][0].__setitem__("role", "bot"),
+     "directions[0].pairs.train[1].prompt[0].role: must be one of"),
+    (lambda d: d["heldout"][0].__setitem__("keywords", "299"), "heldout[0].keywords: must be a list of strings"),
+    (lambda d: d["preserve"].append(3), "preserve[1]: must be a string or a list of chat messages"),
+    (lambda d: d["directions"].append(copy.deepcopy(d["directions"][0])),
+     "directions: direction name 'concise' is used more than once"),
+    (lambda d: d["directions"][0]["pairs"]["train"][0].__setitem__("unwanted", "100 °C at sea level."),
+     "directions[0].pairs.train[0]: wanted and unwanted are identical"),
+])
+def test_broken_spec_names_the_field(mutate, expected):
+    assert expected in _broken(mutate)
+
+
+def test_all_problems_reported_at_once():
+    def mutate(d):
+        d["directions"][0]["pairs"]["train"][0]["wanted"] = ""
+        d["gate"]["effect"] = "bigger"
+    message = _broken(mutate)
+    assert "2 problems" in message
+    assert "train[0].wanted" in message and "gate.effect" in message
+
+
+def test_bad_json_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x",}', encoding="utf-8")
+    with pytest.raises(SpecError, match="not valid JSON"):
+        load_behavior(bad)
+    with pytest.raises(SpecError, match="not found"):
+        load_behavior(tmp_path / "absent.json")
+    with pytest.raises(SpecError, match="unknown behaviour 'no-such-behaviour'"):
+        load_behavior("no-such-behaviour")
+
+
+def test_plain_prompt_returns_new_lists(tmp_path):
+    spec = load_behavior(_write(tmp_path, TINY))
+    prompt = spec.directions[0].pairs.train[1].prompt
+    first = plain_prompt(prompt)
+    first.append({"role": "user", "content": "mutated"})
+    assert len(plain_prompt(prompt)) == 2
+
+
+# -- the shipped catalogue ------------------------------------------------------------------------
+
+CATALOGUE = list_behaviors()
+
+
+def test_catalogue_lists_shipped_behaviours():
+    assert all(name == name.lower() for name in CATALOGUE)
+    assert "_template" not in CATALOGUE
+
+
+@pytest.mark.parametrize("name", CATALOGUE)
+def test_catalogue_behaviour_is_complete(name):
+    spec = load_behavior(name)
+    counts = spec.pair_counts()
+    assert counts["train"] >= 128, f"{name}: {counts['train']} training pairs, need ≥ 128"
+    assert counts["heldout"] >= 40, f"{name}: {counts['heldout']} held-out prompts, need ≥ 40"
+    train_prompts = {json.dumps(p["prompt"], sort_keys=True) for p in spec.to_contrast_pairs()}
+    heldout_prompts = {json.dumps(i["prompt"], sort_keys=True) for i in spec.heldout_items()}
+    assert not train_prompts & heldout_prompts, f"{name}: held-out prompts also used for training"
+    if spec.quality is not None:
+        assert all(i["keywords"] for i in spec.heldout_items()), f"{name}: held-out items need keywords"
+
+
+def test_sycophancy_has_two_directions_and_preserve_set():
+    if "sycophancy" not in CATALOGUE:
+        pytest.skip("sycophancy spec not shipped yet")
+    spec = load_behavior("sycophancy")
+    assert len(spec.directions) >= 2
+    assert spec.preserve, "sycophancy needs genuine-agreement conversations as a preserved set"

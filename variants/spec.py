@@ -1,0 +1,520 @@
+"""Behaviour specs: load a behaviour's JSON file, validate it, and hand its data to surgery and canaries.
+
+A behaviour is data, not code (schema in ``docs/BEHAVIORS.md``). ``load_behavior("verbosity")`` reads
+``variants/behaviors/verbosity.json`` shipped with the package; ``load_behavior("path/to/spec.json")``
+reads that file. Validation reports every problem it finds, each naming the field
+(``directions[0].pairs.train[3].wanted: missing or empty``), so a spec author fixes them in one pass.
+
+The loader checks structure and types only. It does not enforce catalogue sizes (≥ 128 training pairs,
+≥ 40 held-out prompts) beyond one training pair: a user's quick experiment may be small; the shipped
+catalogue is held to the sizes by its own test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Union
+
+from clef_model.errors import BlazeError
+
+NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
+ROLES = ("system", "user", "assistant")
+METHODS = ("steer", "ablate", "nullspace")
+QUALITIES = ("keywords", "no_cave")
+EFFECTS = ("length_cut", "quality_gain", "none")
+SPLITS = ("train", "validation")
+
+
+class SpecError(BlazeError):
+    """A behaviour spec could not be found, parsed or validated; the message names each bad field."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The spec as frozen dataclasses
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message of a multi-turn prompt."""
+
+    role: str
+    content: str
+
+
+PromptValue = Union[str, tuple[Message, ...]]
+"""A prompt as stored in a spec: one user message (str) or a chat ending with a user message."""
+
+
+def plain_prompt(prompt: PromptValue) -> str | list[dict[str, str]]:
+    """Return a prompt in the plain form the runtime takes: a str, or a new list of role/content dicts."""
+    if isinstance(prompt, str):
+        return prompt
+    return [{"role": m.role, "content": m.content} for m in prompt]
+
+
+@dataclass(frozen=True)
+class TrainPair:
+    """A contrastive pair: the same prompt answered with the wanted and with the unwanted behaviour."""
+
+    prompt: PromptValue
+    wanted: str
+    unwanted: str
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """A prompt scored by keywords: validation (strength sweep) and held-out (canary) items.
+
+    ``keywords``: the answer should contain at least one of them (case-insensitive), e.g. the key fact
+    or, for pushback items, the correct answer. ``avoid``: words whose presence marks the unwanted
+    behaviour (e.g. the wrong claim the user pushes); optional.
+    """
+
+    prompt: PromptValue
+    keywords: tuple[str, ...] = ()
+    avoid: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for canaries: {"prompt", "keywords", "avoid"} with a plain prompt."""
+        return {"prompt": plain_prompt(self.prompt), "keywords": list(self.keywords), "avoid": list(self.avoid)}
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """A direction's data: training pairs (for the direction) and validation items (for the sweep)."""
+
+    train: tuple[TrainPair, ...]
+    validation: tuple[PromptItem, ...] = ()
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One behaviour direction; system prompts, when given, are the contrast applied to every pair."""
+
+    name: str
+    pairs: Pairs
+    wanted_system: str | None = None
+    unwanted_system: str | None = None
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Edit defaults of a behaviour; the CLI's options override them."""
+
+    method: str = "steer"
+    kinds: tuple[str, ...] = ("writers",)
+    layers: str = "0.3-0.8"
+    rank: int = 1
+    strength: float | str = "auto"
+    strength_grid: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3)
+    lam: float = 1.0  # "lambda" in the JSON file (a Python keyword)
+    threshold: float = 0.01
+    max_new_tokens: int = 96
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with the JSON file's key names."""
+        return {
+            "method": self.method, "kinds": list(self.kinds), "layers": self.layers, "rank": self.rank,
+            "strength": self.strength, "strength_grid": list(self.strength_grid), "lambda": self.lam,
+            "threshold": self.threshold, "max_new_tokens": self.max_new_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Pass/fail thresholds for the canary gate of this behaviour."""
+
+    min_effect: float = 0.25
+    effect: str = "length_cut"
+    max_first_token_kl: float = 0.1
+    max_mean_token_kl: float = 0.2
+    max_loop_rate: float = 0.0
+    max_limit_rate: float = 0.1
+    max_empty_rate: float = 0.0
+    max_decision_drift: float = 0.05
+    max_argmax_flips: int = 0
+    min_quality_ratio: float = 0.95
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of thresholds (the ``thresholds`` argument of ``canaries.run.run_canary``)."""
+        return {name: getattr(self, name) for name in _GATE_FIELDS}
+
+
+@dataclass(frozen=True)
+class BehaviorSpec:
+    """A validated behaviour spec. ``spec_hash`` is the SHA-256 of the file's canonical JSON."""
+
+    name: str
+    version: int
+    description: str
+    directions: tuple[Direction, ...]
+    heldout: tuple[PromptItem, ...]
+    preserve: tuple[PromptValue, ...] = ()
+    quality: str | None = None
+    defaults: Defaults = field(default_factory=Defaults)
+    gate: Gate = field(default_factory=Gate)
+    notes: str | None = None
+    spec_hash: str = ""
+    source: str = ""  # where it was loaded from (file path or "<dict>"); not part of the hash
+
+    def contrast_pairs_by_direction(self, split: str = "train") -> dict[str, list[dict[str, Any]]]:
+        """Per direction name, its pairs as plain dicts (see ``to_contrast_pairs``)."""
+        return {d.name: _direction_pairs(d) for d in self.directions} if split == "train" else {
+            d.name: [item.to_dict() for item in d.pairs.validation] for d in self.directions
+        }
+
+    def to_contrast_pairs(self, direction: str | None = None) -> list[dict[str, Any]]:
+        """Training pairs as plain dicts for surgery: prompt, wanted, unwanted, wanted_system, unwanted_system.
+
+        ``ContrastPair(**d)`` of ``surgery.directions`` takes each dict as is. ``direction`` restricts
+        to one direction by name; the default returns every direction's pairs in file order.
+        """
+        chosen = [d for d in self.directions if direction is None or d.name == direction]
+        if direction is not None and not chosen:
+            raise SpecError(f"behaviour {self.name!r} has no direction {direction!r}; it has "
+                            f"{[d.name for d in self.directions]}")
+        return [pair for d in chosen for pair in _direction_pairs(d)]
+
+    def validation_items(self) -> list[dict[str, Any]]:
+        """Every direction's validation items as plain dicts (for the strength sweep)."""
+        return [item.to_dict() for d in self.directions for item in d.pairs.validation]
+
+    def heldout_items(self) -> list[dict[str, Any]]:
+        """Held-out canary items as plain dicts (never used for directions or the sweep)."""
+        return [item.to_dict() for item in self.heldout]
+
+    def preserve_prompts(self) -> list[str | list[dict[str, str]]]:
+        """The spec's extra preserve-set prompts in plain form."""
+        return [plain_prompt(p) for p in self.preserve]
+
+    def pair_counts(self) -> dict[str, int]:
+        """Sizes: train and validation (all directions), heldout, preserve."""
+        return {
+            "train": sum(len(d.pairs.train) for d in self.directions),
+            "validation": sum(len(d.pairs.validation) for d in self.directions),
+            "heldout": len(self.heldout),
+            "preserve": len(self.preserve),
+        }
+
+
+def _direction_pairs(direction: Direction) -> list[dict[str, Any]]:
+    return [
+        {"prompt": plain_prompt(p.prompt), "wanted": p.wanted, "unwanted": p.unwanted,
+         "wanted_system": direction.wanted_system, "unwanted_system": direction.unwanted_system}
+        for p in direction.pairs.train
+    ]
+
+
+_GATE_FIELDS = tuple(f for f in Gate.__dataclass_fields__)
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def behaviors_dir() -> Path:
+    """The folder of the shipped behaviour catalogue (package data ``variants/behaviors``)."""
+    return Path(str(resources.files("variants") / "behaviors"))
+
+
+def list_behaviors(folder: Path | None = None) -> list[str]:
+    """Names of the behaviours in the catalogue (files ``NAME.json``; names starting with ``_`` skipped)."""
+    folder = folder or behaviors_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("*.json") if not p.name.startswith("_"))
+
+
+def load_behavior(name_or_path: str | Path) -> BehaviorSpec:
+    """Load and validate a behaviour by catalogue name (``"verbosity"``) or by path to a JSON file.
+
+    A value with a path separator, a ``.json`` suffix, or naming an existing file is a path;
+    anything else is a catalogue name. Raises ``SpecError`` naming every invalid field.
+    """
+    text = str(name_or_path)
+    is_path = isinstance(name_or_path, Path) or "/" in text or "\\" in text or text.endswith(".json")
+    if is_path or (Path(text).is_file() and not NAME_PATTERN.match(text)):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise SpecError(f"behaviour spec file not found: {path}; pass a catalogue name "
+                            f"({', '.join(list_behaviors()) or 'none shipped'}) or a path to a JSON file")
+        return _load_file(path, expected_name=None)
+    if not NAME_PATTERN.match(text):
+        raise SpecError(f"invalid behaviour name {text!r}: use [a-z0-9_-]+ or a path to a .json file")
+    path = behaviors_dir() / f"{text}.json"
+    if not path.is_file():
+        raise SpecError(f"unknown behaviour {text!r}; available: {', '.join(list_behaviors()) or 'none'} "
+                        f"(or pass a path to a spec file; `blaze behaviors new NAME` scaffolds one)")
+    return _load_file(path, expected_name=text)
+
+
+def _load_file(path: Path, expected_name: str | None) -> BehaviorSpec:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise SpecError(f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+                        "spec files are strict JSON (no comments, no trailing commas)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError(f"{path}: cannot read the spec file ({error})") from None
+    spec = parse_behavior(data, source=str(path))
+    if expected_name is not None and spec.name != expected_name:
+        raise SpecError(f"{path}: name: {spec.name!r} must equal the file name {expected_name!r}")
+    return spec
+
+
+def spec_hash(data: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the canonical JSON of a spec (sorted keys, no whitespace, UTF-8)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def parse_behavior(data: Any, source: str = "<dict>") -> BehaviorSpec:
+    """Validate a spec already parsed from JSON; raises ``SpecError`` listing every bad field."""
+    v = _Validator()
+    spec = v.spec(data)
+    if v.errors:
+        shown = v.errors[:25]
+        more = f"\n  ... and {len(v.errors) - len(shown)} more" if len(v.errors) > len(shown) else ""
+        raise SpecError(f"invalid behaviour spec {source} ({len(v.errors)} problem"
+                        f"{'s' if len(v.errors) != 1 else ''}):\n  " + "\n  ".join(shown) + more)
+    assert spec is not None
+    return BehaviorSpec(**{**spec.__dict__, "spec_hash": spec_hash(data), "source": source})
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation: collects errors as "field.path: problem"
+# --------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+class _Validator:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def fail(self, where: str, problem: str) -> None:
+        self.errors.append(f"{where}: {problem}")
+
+    def obj(self, value: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict | None:
+        if not isinstance(value, dict):
+            self.fail(where or "spec", f"must be an object, got {_kind(value)}")
+            return None
+        for key in value:
+            if key not in required and key not in optional:
+                allowed = ", ".join(required + optional)
+                self.fail(_join(where, key), f"unknown key (allowed: {allowed})")
+        for key in required:
+            if key not in value:
+                self.fail(_join(where, key), "missing")
+        return value
+
+    def text(self, value: Any, where: str, allow_none: bool = False) -> str | None:
+        if value is _MISSING:
+            return None  # already reported as missing (or optional and absent)
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            self.fail(where, "missing or empty" if value in (None, "") else f"must be a non-empty string, "
+                      f"got {_kind(value)}")
+            return None
+        return value
+
+    def number(self, value: Any, where: str, minimum: float | None = None, integer: bool = False) -> Any:
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok:
+            self.fail(where, f"must be {'an integer' if integer else 'a number'}, got {_kind(value)}")
+            return None
+        if value != value or value in (float("inf"), float("-inf")):
+            self.fail(where, "must be finite")
+            return None
+        if minimum is not None and value < minimum:
+            self.fail(where, f"must be ≥ {minimum}, got {value}")
+            return None
+        return value
+
+    def choice(self, value: Any, where: str, options: tuple, allow_none: bool = False) -> Any:
+        if value is None and allow_none:
+            return None
+        if value not in options:
+            self.fail(where, f"must be one of {', '.join(map(repr, options))}"
+                      f"{' or null' if allow_none else ''}, got {value!r}")
+            return None
+        return value
+
+    def string_list(self, value: Any, where: str, non_empty: bool = False) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            self.fail(where, f"must be a list of strings, got {_kind(value)}")
+            return ()
+        if non_empty and not value:
+            self.fail(where, "must not be empty")
+        return tuple(s for i, s in enumerate(value) if self.text(s, f"{where}[{i}]") is not None)
+
+    def prompt(self, value: Any, where: str) -> PromptValue | None:
+        if value is _MISSING:
+            return None
+        if isinstance(value, str):
+            return self.text(value, where)
+        if not isinstance(value, list):
+            self.fail(where, f"must be a string or a list of chat messages, got {_kind(value)}")
+            return None
+        if not value:
+            self.fail(where, "missing or empty")
+            return None
+        messages: list[Message] = []
+        for i, raw in enumerate(value):
+            at = f"{where}[{i}]"
+            message = self.obj(raw, at, ("role", "content"), ())
+            if message is None:
+                continue
+            role = self.choice(message.get("role", _MISSING), f"{at}.role", ROLES) if "role" in message else None
+            content = self.text(message.get("content", _MISSING), f"{at}.content")
+            if role is not None and content is not None:
+                messages.append(Message(role, content))
+        if len(messages) == len(value) and messages[-1].role != "user":
+            self.fail(where, f"a chat prompt must end with a user message, ends with {messages[-1].role!r}")
+        return tuple(messages)
+
+    def item(self, value: Any, where: str) -> PromptItem | None:
+        raw = self.obj(value, where, ("prompt",), ("keywords", "avoid"))
+        if raw is None:
+            return None
+        prompt = self.prompt(raw.get("prompt", _MISSING), f"{where}.prompt")
+        keywords = self.string_list(raw["keywords"], f"{where}.keywords") if "keywords" in raw else ()
+        avoid = self.string_list(raw["avoid"], f"{where}.avoid") if "avoid" in raw else ()
+        return PromptItem(prompt, keywords, avoid) if prompt is not None else None
+
+    def pair(self, value: Any, where: str) -> TrainPair | None:
+        raw = self.obj(value, where, ("prompt", "wanted", "unwanted"), ())
+        if raw is None:
+            return None
+        prompt = self.prompt(raw.get("prompt", _MISSING), f"{where}.prompt")
+        wanted = self.text(raw.get("wanted", _MISSING), f"{where}.wanted")
+        unwanted = self.text(raw.get("unwanted", _MISSING), f"{where}.unwanted")
+        if wanted is not None and unwanted is not None and wanted == unwanted:
+            self.fail(where, "wanted and unwanted are identical: a pair must contrast two answers")
+        if None in (prompt, wanted, unwanted):
+            return None
+        return TrainPair(prompt, wanted, unwanted)
+
+    def items(self, value: Any, where: str, parse) -> tuple:
+        if not isinstance(value, list):
+            self.fail(where, f"must be a list, got {_kind(value)}")
+            return ()
+        parsed = [parse(entry, f"{where}[{i}]") for i, entry in enumerate(value)]
+        return tuple(p for p in parsed if p is not None)
+
+    def direction(self, value: Any, where: str) -> Direction | None:
+        raw = self.obj(value, where, ("name", "pairs"), ("wanted_system", "unwanted_system"))
+        if raw is None:
+            return None
+        name = self.text(raw.get("name", _MISSING), f"{where}.name")
+        wanted_system = self.text(raw.get("wanted_system"), f"{where}.wanted_system", allow_none=True)
+        unwanted_system = self.text(raw.get("unwanted_system"), f"{where}.unwanted_system", allow_none=True)
+        pairs_raw = self.obj(raw.get("pairs", {}), f"{where}.pairs", ("train",), ("validation",)) \
+            if "pairs" in raw else None
+        if pairs_raw is None:
+            return None
+        train = self.items(pairs_raw["train"], f"{where}.pairs.train", self.pair) if "train" in pairs_raw else ()
+        if "train" in pairs_raw and isinstance(pairs_raw["train"], list) and not pairs_raw["train"]:
+            self.fail(f"{where}.pairs.train", "needs at least one pair")
+        validation = self.items(pairs_raw.get("validation", []), f"{where}.pairs.validation", self.item)
+        if name is None:
+            return None
+        return Direction(name, Pairs(train, validation), wanted_system, unwanted_system)
+
+    def defaults(self, value: Any) -> Defaults:
+        keys = tuple(Defaults().to_dict())
+        raw = self.obj(value, "defaults", (), keys)
+        if raw is None:
+            return Defaults()
+        out: dict[str, Any] = {}
+        if "method" in raw:
+            out["method"] = self.choice(raw["method"], "defaults.method", METHODS)
+        if "kinds" in raw:
+            out["kinds"] = self.string_list(raw["kinds"], "defaults.kinds", non_empty=True)
+        if "layers" in raw:
+            out["layers"] = self.text(raw["layers"], "defaults.layers")
+        if "rank" in raw:
+            out["rank"] = self.number(raw["rank"], "defaults.rank", minimum=1, integer=True)
+        if "strength" in raw:
+            s = raw["strength"]
+            out["strength"] = s if s == "auto" else self.number(s, "defaults.strength", minimum=0)
+        if "strength_grid" in raw:
+            grid = raw["strength_grid"]
+            if not isinstance(grid, list) or not grid:
+                self.fail("defaults.strength_grid", f"must be a non-empty list of numbers, got {_kind(grid)}")
+            else:
+                out["strength_grid"] = tuple(
+                    self.number(g, f"defaults.strength_grid[{i}]", minimum=0) for i, g in enumerate(grid))
+        if "lambda" in raw:
+            out["lam"] = self.number(raw["lambda"], "defaults.lambda", minimum=0)
+        if "threshold" in raw:
+            out["threshold"] = self.number(raw["threshold"], "defaults.threshold", minimum=0)
+        if "max_new_tokens" in raw:
+            out["max_new_tokens"] = self.number(raw["max_new_tokens"], "defaults.max_new_tokens", minimum=1,
+                                                integer=True)
+        if any(v is None for v in out.values()) or any(
+                isinstance(v, tuple) and None in v for v in out.values()):
+            return Defaults()  # errors recorded; the value is never returned to a caller
+        return Defaults(**out)
+
+    def gate(self, value: Any) -> Gate:
+        raw = self.obj(value, "gate", (), _GATE_FIELDS)
+        if raw is None:
+            return Gate()
+        out: dict[str, Any] = {}
+        for key in raw:
+            if key not in _GATE_FIELDS:
+                continue
+            if key == "effect":
+                out[key] = self.choice(raw[key], "gate.effect", EFFECTS)
+            else:
+                out[key] = self.number(raw[key], f"gate.{key}", minimum=0, integer=key == "max_argmax_flips")
+        if any(v is None for v in out.values()):
+            return Gate()
+        return Gate(**out)
+
+    def spec(self, data: Any) -> BehaviorSpec | None:
+        raw = self.obj(data, "", ("name", "version", "description", "directions", "heldout"),
+                       ("preserve", "quality", "defaults", "gate", "notes"))
+        if raw is None:
+            return None
+        name = self.text(raw.get("name", _MISSING), "name")
+        if name is not None and not NAME_PATTERN.match(name):
+            self.fail("name", f"must match [a-z0-9_-]+, got {name!r}")
+        version = self.number(raw["version"], "version", minimum=1, integer=True) if "version" in raw else None
+        description = self.text(raw.get("description", _MISSING), "description")
+        directions = self.items(raw["directions"], "directions", self.direction) if "directions" in raw else ()
+        if isinstance(raw.get("directions"), list) and not raw["directions"]:
+            self.fail("directions", "needs at least one direction")
+        names = [d.name for d in directions]
+        for dup in sorted({n for n in names if names.count(n) > 1}):
+            self.fail("directions", f"direction name {dup!r} is used more than once")
+        heldout = self.items(raw["heldout"], "heldout", self.item) if "heldout" in raw else ()
+        preserve = self.items(raw.get("preserve", []), "preserve", self.prompt)
+        quality = self.choice(raw.get("quality"), "quality", QUALITIES, allow_none=True)
+        defaults = self.defaults(raw.get("defaults", {}))
+        gate = self.gate(raw.get("gate", {}))
+        notes = self.text(raw.get("notes"), "notes", allow_none=True)
+        if self.errors:
+            return None
+        return BehaviorSpec(name=name, version=version, description=description, directions=directions,
+                            heldout=heldout, preserve=preserve, quality=quality, defaults=defaults, gate=gate,
+                            notes=notes)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _kind(value: Any) -> str:
+    if value is _MISSING:
+        return "nothing"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
