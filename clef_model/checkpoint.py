@@ -1,0 +1,575 @@
+"""All safetensors I/O of blaze: a lazy per-tensor reader, a streaming sharded writer, atomic output folders.
+
+Why hand-written rather than `safetensors.torch.save_file`: `save_file` needs every tensor of a shard in
+memory at once (it builds the header from the full dict), so writing a 5 GB shard of a 19 GB checkpoint
+would cost 5 GB of RAM, and an untouched bf16 tensor would have to be materialised as a torch tensor. The
+format is simple — an 8-byte little-endian header length, a JSON header (`dtype`, `shape`, `data_offsets`
+relative to the data section, optional `__metadata__` of strings, padded with spaces), then the raw
+little-endian bytes — so this module writes it directly: headers are computed from a planned layout (or,
+without a plan, prepended once the shard is complete), and tensors are copied as raw bytes with the
+kernel's `copy_file_range`, never through a dtype round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clef_model.errors import BlazeError, ReleaseError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
+_COPY_CHUNK = 16 * 1024 * 1024
+
+# safetensors dtype string -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "U16": (torch.uint16, 2),
+    "U32": (torch.uint32, 4),
+    "U64": (torch.uint64, 8),
+}
+_TORCH_TO_ST = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype (e.g. torch.bfloat16 -> "BF16")."""
+    try:
+        return _TORCH_TO_ST[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string (e.g. "BF16" -> torch.bfloat16)."""
+    return DTYPES[name][0]
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes a tensor of this safetensors dtype and shape occupies on disk."""
+    return math.prod(shape) * DTYPES[dtype][1]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its shard file, dtype, shape and absolute byte range in the file."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute offset of the first data byte in `file`
+    nbytes: int
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """Parse one safetensors file's header without reading its data; returns (header, data start offset).
+
+    Raises ReleaseError naming the file when the header is unreadable or the file is truncated.
+    """
+    path = Path(path)
+
+    def corrupt(why: str) -> ReleaseError:
+        return ReleaseError(
+            f"{path}: not a valid safetensors file ({why}). The file is corrupt or incomplete; "
+            "re-download or rebuild it."
+        )
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise corrupt(f"only {size} bytes, shorter than the 8-byte header length")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+                raise corrupt(f"header length {header_len} does not fit a file of {size} bytes")
+            raw = handle.read(header_len)
+    except OSError as error:
+        raise ReleaseError(f"{path}: cannot be read ({error.strerror}); check the path and permissions.") from error
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise corrupt(f"header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise corrupt("header is not a JSON object")
+    data_start = 8 + header_len
+    data_size = size - data_start
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if entry is not None and not isinstance(entry, dict):
+                raise corrupt("__metadata__ is not an object")
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise corrupt(f"entry {name!r} lacks dtype/shape/data_offsets") from None
+        if dtype not in DTYPES:
+            raise corrupt(f"tensor {name!r} has unknown dtype {dtype!r}")
+        if not all(isinstance(dim, int) and dim >= 0 for dim in shape):
+            raise corrupt(f"tensor {name!r} has a bad shape {list(shape)}")
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise corrupt(f"tensor {name!r} has bad data offsets {[begin, end]}")
+        if end - begin != tensor_nbytes(dtype, shape):
+            raise corrupt(f"tensor {name!r}: {end - begin} bytes for {dtype}{list(shape)}")
+        if end > data_size:
+            raise corrupt(f"truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section")
+    return header, data_start
+
+
+class CheckpointReader:
+    """Lazy, per-tensor access to a safetensors checkpoint (a sharded folder, a single-file folder, or a file).
+
+    Only headers are parsed at construction (which also validates them: a truncated shard or a bad header
+    raises ReleaseError at once); tensor data is read on request, one tensor at a time.
+    """
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        self.folder = folder
+        self.index_path: Path | None = None
+        if folder.is_file():
+            files = {folder.name: folder}
+            wanted: dict[str, str] | None = None
+            self.folder = folder.parent
+        elif (folder / INDEX_NAME).is_file():
+            self.index_path = folder / INDEX_NAME
+            try:
+                index = json.loads(self.index_path.read_text(encoding="utf-8"))
+                wanted = dict(index["weight_map"])
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+                raise ReleaseError(
+                    f"{self.index_path}: unreadable checkpoint index ({error}); re-download the release."
+                ) from None
+            files = {}
+            for shard in sorted(set(wanted.values())):
+                if not (folder / shard).is_file():
+                    raise ReleaseError(
+                        f"{folder}: the index names shard {shard!r}, which is missing; re-download the release."
+                    )
+                files[shard] = folder / shard
+        elif (folder / SINGLE_NAME).is_file():
+            files = {SINGLE_NAME: folder / SINGLE_NAME}
+            wanted = None
+        else:
+            raise ReleaseError(
+                f"{folder}: no {INDEX_NAME} or {SINGLE_NAME} found; point at a folder holding a safetensors checkpoint."
+            )
+
+        self._infos: dict[str, TensorInfo] = {}
+        self._metadata: dict[str, dict[str, str]] = {}
+        for shard, path in files.items():
+            header, data_start = read_header(path)
+            self._metadata[shard] = dict(header.get("__metadata__") or {})
+            for name, entry in header.items():
+                if name == "__metadata__" or (wanted is not None and wanted.get(name) != shard):
+                    continue
+                begin, end = entry["data_offsets"]
+                self._infos[name] = TensorInfo(
+                    name, path, entry["dtype"], tuple(entry["shape"]), data_start + begin, end - begin
+                )
+        if wanted is not None:
+            missing = sorted(set(wanted) - set(self._infos))
+            if missing:
+                raise ReleaseError(
+                    f"{folder}: the index lists {len(missing)} tensor(s) absent from their shard "
+                    f"(first: {missing[0]!r}); the checkpoint is inconsistent, re-download it."
+                )
+        # on-disk order (shard, offset): streaming in this order reads every file sequentially
+        self._order = sorted(self._infos, key=lambda n: (self._infos[n].file.name, self._infos[n].offset))
+
+    def names(self) -> list[str]:
+        """Every tensor name, in on-disk order (shard by shard, by offset)."""
+        return list(self._order)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        """Shard file, dtype, shape and byte range of one tensor."""
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}") from None
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string of a tensor (e.g. "BF16")."""
+        return self.info(name).dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of a tensor."""
+        return self.info(name).shape
+
+    def nbytes(self, name: str) -> int:
+        """The size of a tensor's data in bytes."""
+        return self.info(name).nbytes
+
+    def shard_files(self) -> list[Path]:
+        """The weight files of this checkpoint (shards, or the single file)."""
+        return sorted({info.file for info in self._infos.values()}, key=lambda p: p.name) or [
+            self.folder / name for name in self._metadata
+        ]
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file name."""
+        return {name: self._infos[name].file.name for name in self._order}
+
+    def shard_metadata(self, shard: str) -> dict[str, str]:
+        """The `__metadata__` of one shard file (by file name)."""
+        return dict(self._metadata[shard])
+
+    def total_bytes(self) -> int:
+        """Sum of all tensors' data sizes (the index's `total_size`)."""
+        return sum(info.nbytes for info in self._infos.values())
+
+    def iter_raw(self, name: str, chunk_bytes: int = _COPY_CHUNK) -> Iterator[bytes]:
+        """A tensor's raw bytes in chunks of at most `chunk_bytes` (bounded memory for huge tensors)."""
+        info = self.info(name)
+        with open(info.file, "rb") as handle:
+            handle.seek(info.offset)
+            left = info.nbytes
+            while left:
+                chunk = handle.read(min(chunk_bytes, left))
+                if not chunk:
+                    raise ReleaseError(f"{info.file}: ended early while reading {name!r}; the file is truncated.")
+                left -= len(chunk)
+                yield chunk
+
+    def raw_bytes(self, name: str) -> bytes:
+        """A tensor's raw little-endian bytes exactly as stored (no dtype conversion)."""
+        info = self.info(name)
+        with open(info.file, "rb") as handle:
+            handle.seek(info.offset)
+            data = handle.read(info.nbytes)
+        if len(data) != info.nbytes:
+            raise ReleaseError(f"{info.file}: ended early while reading {name!r}; the file is truncated.")
+        return data
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Load just this tensor, in its stored dtype, on the CPU."""
+        info = self.info(name)
+        dtype = torch_dtype(info.dtype)
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        buffer = bytearray(info.nbytes)
+        with open(info.file, "rb") as handle:
+            handle.seek(info.offset)
+            if handle.readinto(buffer) != info.nbytes:
+                raise ReleaseError(f"{info.file}: ended early while reading {name!r}; the file is truncated.")
+        return torch.frombuffer(buffer, dtype=dtype).reshape(info.shape)
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's raw bytes in row-major order (a view, no dtype conversion)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _copy_range(src: Path, offset: int, nbytes: int, dst) -> None:
+    """Copy `nbytes` from `src` at `offset` to the current position of open file `dst`, in the kernel if possible."""
+    dst.flush()
+    out_fd = dst.fileno()
+    with open(src, "rb") as handle:
+        in_fd = handle.fileno()
+        left, pos = nbytes, offset
+        try:
+            while left:
+                done = os.copy_file_range(in_fd, out_fd, min(left, 1 << 30), pos)
+                if done == 0:
+                    raise ReleaseError(f"{src}: ended early while copying; the file is truncated.")
+                left -= done
+                pos += done
+        except OSError as error:
+            if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            handle.seek(pos)
+            while left:
+                chunk = handle.read(min(_COPY_CHUNK, left))
+                if not chunk:
+                    raise ReleaseError(f"{src}: ended early while copying; the file is truncated.") from None
+                dst.write(chunk)
+                left -= len(chunk)
+            dst.flush()
+    dst.seek(0, os.SEEK_END)
+
+
+def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
+    """Serialise a header (8-byte length + JSON padded with spaces to a multiple of 8) for tensors in order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def shard_name(index: int, count: int) -> str:
+    """The standard shard file name, e.g. model-00001-of-00004.safetensors (index from 1)."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(
+    layout: Sequence[tuple[str, str, Sequence[int]]], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[list[tuple[str, str, tuple[int, ...], int]]]:
+    """Split (name, dtype, shape) entries, in order, into shards of at most `max_shard_bytes` of data each.
+
+    A tensor larger than the budget gets a shard of its own.
+    """
+    shards: list[list[tuple[str, str, tuple[int, ...], int]]] = [[]]
+    size = 0
+    for name, dtype, shape in layout:
+        nbytes = tensor_nbytes(dtype, shape)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dtype, tuple(shape), nbytes))
+        size += nbytes
+    return shards if shards[0] else []
+
+
+class ShardedWriter:
+    """Streaming safetensors writer: one tensor at a time, a byte budget per shard, standard names + index.
+
+    With `layout` (every (name, dtype, shape) in the order they will be added) the shard split and each
+    header are known in advance, so each tensor goes straight to its final place on disk. Without it the
+    writer spools each shard's data to a side file and prepends the header when the shard is complete
+    (one extra sequential copy). Either way memory use is one chunk, not one shard. Output files get mode
+    0644; shard metadata holds only `format: pt` plus `metadata` (no timestamps: runs are byte-identical).
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        metadata: dict | None = None,
+        *,
+        layout: Sequence[tuple[str, str, Sequence[int]]] | None = None,
+    ):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = int(max_shard_bytes)
+        if self.max_shard_bytes <= 0:
+            raise ValueError("max_shard_bytes must be positive")
+        self.metadata = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+        self._plan = plan_shards(layout, self.max_shard_bytes) if layout is not None else None
+        self._planned_names = [e[0] for shard in self._plan for e in shard] if self._plan is not None else []
+        self._plan_entries = {e[0]: e for shard in self._plan or [] for e in shard}
+        self._plan_shard_of = {e[0]: i for i, shard in enumerate(self._plan or []) for e in shard}
+        if len(self._plan_entries) != len(self._planned_names):
+            raise ValueError("the layout names a tensor twice")
+        self._weight_map: dict[str, int] = {}  # name -> shard number (0-based)
+        self._shards: list[list[tuple[str, str, tuple[int, ...], int]]] = []
+        self._handle = None
+        self._shard_size = 0
+        self._spool_paths: list[Path] = []
+        self._closed = False
+        self.files: list[Path] = []
+
+    # -- shard lifecycle -------------------------------------------------------------------------------
+    def _open_shard(self) -> None:
+        number = len(self._shards)
+        self._shards.append([])
+        self._shard_size = 0
+        if self._plan is not None:
+            path = self.folder / shard_name(number + 1, len(self._plan))
+            self._handle = open(path, "wb")
+            self._handle.write(_header_bytes(self._plan[number], self.metadata))
+        else:
+            path = self.folder / f".shard-{number + 1:05d}.spool"
+            self._spool_paths.append(path)
+            self._handle = open(path, "wb")
+
+    def _close_shard(self) -> None:
+        if self._handle is None:
+            return
+        self._handle.close()
+        self._handle = None
+
+    def _start_tensor(self, name: str, dtype: str, shape: Sequence[int]) -> int:
+        if self._closed:
+            raise ValueError("the writer is closed")
+        if name in self._weight_map:
+            raise ValueError(f"tensor {name!r} was added twice")
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown safetensors dtype {dtype!r}")
+        shape = tuple(int(d) for d in shape)
+        nbytes = tensor_nbytes(dtype, shape)
+        if self._plan is not None:
+            position = len(self._weight_map)
+            if position >= len(self._planned_names) or self._planned_names[position] != name:
+                expected = self._planned_names[position] if position < len(self._planned_names) else None
+                raise ValueError(f"tensor {name!r} added out of the planned order (expected {expected!r})")
+            planned = self._plan_entries[name]
+            if planned[1:] != (dtype, shape, nbytes):
+                raise ValueError(f"tensor {name!r} is {dtype}{list(shape)}, planned {planned[1]}{list(planned[2])}")
+            shard_no = self._plan_shard_of[name]
+            while len(self._shards) <= shard_no:
+                self._close_shard()
+                self._open_shard()
+        else:
+            if self._handle is None or (self._shards[-1] and self._shard_size + nbytes > self.max_shard_bytes):
+                self._close_shard()
+                self._open_shard()
+        self._shards[-1].append((name, dtype, shape, nbytes))
+        self._weight_map[name] = len(self._shards) - 1
+        self._shard_size += nbytes
+        return nbytes
+
+    # -- adding tensors ---------------------------------------------------------------------------------
+    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one tensor (its dtype and shape as given); the tensor is not kept."""
+        self.add_raw(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor_to_bytes(tensor))
+
+    def add_raw(self, name: str, dtype: str, shape: Sequence[int], data) -> None:
+        """Write one tensor from raw bytes: a bytes-like object or an iterable of bytes-like chunks."""
+        nbytes = self._start_tensor(name, dtype, shape)
+        chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        written = 0
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            self._handle.write(view)
+            written += len(view)
+        if written != nbytes:
+            raise ValueError(f"tensor {name!r}: got {written} bytes, expected {nbytes} for {dtype}{list(shape)}")
+
+    def copy_from(self, reader: CheckpointReader, name: str, new_name: str | None = None) -> None:
+        """Copy one tensor bit-identically from a checkpoint (kernel-side copy; no user-space buffer)."""
+        info = reader.info(name)
+        self._start_tensor(new_name or name, info.dtype, info.shape)
+        _copy_range(info.file, info.offset, info.nbytes, self._handle)
+
+    # -- finishing --------------------------------------------------------------------------------------
+    def close(self) -> dict:
+        """Finish the last shard, write `model.safetensors.index.json`, set modes 0644; returns the index."""
+        if self._closed:
+            raise ValueError("the writer is already closed")
+        if self._plan is not None and len(self._weight_map) != len(self._planned_names):
+            missing = [n for n in self._planned_names if n not in self._weight_map]
+            raise ValueError(f"{len(missing)} planned tensor(s) never added (first: {missing[0]!r})")
+        self._close_shard()
+        self._closed = True
+        count = len(self._shards)
+        names = [shard_name(i + 1, count) for i in range(count)]
+        if self._plan is None:
+            for number, spool in enumerate(self._spool_paths):
+                final = self.folder / names[number]
+                with open(final, "wb") as out:
+                    out.write(_header_bytes(self._shards[number], self.metadata))
+                    _copy_range(spool, 0, spool.stat().st_size, out)
+                spool.unlink()
+        total = sum(e[3] for shard in self._shards for e in shard)
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: names[self._weight_map[name]] for name in sorted(self._weight_map)},
+        }
+        index_path = self.folder / INDEX_NAME
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        self.files = [self.folder / n for n in names] + [index_path]
+        for path in self.files:
+            os.chmod(path, 0o644)
+        return index
+
+    def abort(self) -> None:
+        """Close open handles and remove spool files after a failure (the caller removes the folder)."""
+        self._close_shard()
+        self._closed = True
+        for spool in self._spool_paths:
+            with contextlib.suppress(OSError):
+                spool.unlink()
+
+    def __enter__(self) -> "ShardedWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
+@contextlib.contextmanager
+def atomic_output(dest: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling folder `.<name>.tmp-<random>`; on success it replaces `dest` by renaming.
+
+    A non-empty `dest` is refused unless `force`. On any error the temporary folder is removed and `dest`
+    is left as it was; a full disk becomes a BlazeError saying so.
+    """
+    dest = Path(dest).absolute()
+    if dest.exists() and not dest.is_dir():
+        raise BlazeError(f"{dest} exists and is not a folder; choose another output path.")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise BlazeError(f"{dest} is not empty; choose another output folder or pass --force to replace it.")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        yield tmp
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.rename(dest, old / "d")
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dest)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise BlazeError(
+                f"no space left on the device while writing {dest}; nothing was written. "
+                "Free some disk space (or choose another --out) and run again."
+            ) from error
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy a file byte-for-byte (kernel copy where possible) and give it mode 0644."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    os.chmod(dst, 0o644)
+
+
+def iter_chunks(data: bytes | memoryview, chunk_bytes: int = _COPY_CHUNK) -> Iterable[memoryview]:
+    """Split a bytes-like object into memoryview chunks (no copies)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), chunk_bytes):
+        yield view[start : start + chunk_bytes]
