@@ -1,0 +1,21 @@
+"""ModelView: one side of a canary comparison (the base or the variant) as a Runtime plus how to switch it on."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+
+@dataclass
+class ModelView:
+    """A model to run canaries on.
+
+    `runtime` is a `clef_model.runtime.Runtime`. `activate` returns a context manager inside which the runtime
+    behaves as this model: base and variant may share one Runtime with the edit toggled in memory
+    (`activate=lambda: patch.applied(rt, s)`), or be two Runtimes (the default `nullcontext`).
+    """
+
+    runtime: Any
+    activate: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
+    label: str = "variant"

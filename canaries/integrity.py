@@ -1,0 +1,178 @@
+"""Integrity: a variant is its base plus low-rank deltas, nothing else.
+
+Checks that the joint head (`joint_head.safetensors`) and the release code have the same SHA-256 in both
+releases, that every other side file is byte-identical, that both checkpoints hold the same tensor names,
+shapes and dtypes (else: a variant of another base, refused with BlazeError), and lists the tensors whose raw
+bytes differ, each with its relative change ‖ΔW‖/‖W‖ and the numerical rank of ΔW.
+
+Numerical rank: singular values of ΔW (fp32) above τ = max(σ₁·max(m,n)·ε₃₂, 2·u·rms(W)·(√m+√n)), where u is
+the unit roundoff of the stored dtype (2⁻⁸ bf16, 2⁻¹¹ fp16, 2⁻²⁴ fp32). The second term is about 3.5× the
+spectral norm of the rounding noise a cast back to the stored dtype adds, which is full rank and must not count.
+
+Cost: tensors are compared by raw bytes one at a time (no decoding); only differing ones are decoded; side files
+are hashed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clef_model.errors import BlazeError
+
+RELEASE_CODE = "joint_schema_model.py"
+JOINT_HEAD = "joint_head.safetensors"
+# Side files a variant may legitimately differ in: its own manifest/delta/card and the shard index
+# (a re-sharded checkpoint has another index; tensors are compared one by one instead).
+VARIANT_OWN_FILES = {"blaze_manifest.json", "blaze_delta.safetensors", "README.md", "model.safetensors.index.json",
+                     ".gitattributes", "canary_report.json", "canary_report.md"}
+UNIT_ROUNDOFF = {"BF16": 2.0**-8, "F16": 2.0**-11, "F32": 2.0**-24, "F64": 2.0**-53}
+
+
+def _release(ref: Any):
+    from clef_model.release import Release, resolve_release
+
+    return ref if isinstance(ref, Release) else resolve_release(ref)
+
+
+def numerical_rank(delta: torch.Tensor, weight_rms: float, dtype: str, device: str | torch.device = "cpu") -> int:
+    """Numerical rank of a 2-D delta, ignoring the rounding noise of the stored dtype (see module doc)."""
+    matrix = delta.to(device=device, dtype=torch.float32)
+    rows, cols = matrix.shape
+    singular = torch.linalg.svdvals(matrix)
+    if singular.numel() == 0 or float(singular[0]) == 0.0:
+        return 0
+    roundoff = UNIT_ROUNDOFF.get(dtype.upper(), 2.0**-8)
+    tolerance = max(float(singular[0]) * max(rows, cols) * torch.finfo(torch.float32).eps,
+                    2.0 * roundoff * weight_rms * (math.sqrt(rows) + math.sqrt(cols)))
+    return int((singular > tolerance).sum())
+
+
+def _read_manifest(release) -> dict[str, Any] | None:
+    path = Path(release.path) / "blaze_manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise BlazeError(f"{path} is not valid JSON ({error.msg}); re-create the variant with blaze edit")
+
+
+def _manifest_base_mismatch(manifest: dict[str, Any] | None, base) -> str | None:
+    """A reason the manifest names another base than `base`, or None when it agrees or says nothing."""
+    if not manifest:
+        return None
+    identity = manifest.get("base") or manifest.get("base_identity") or {}
+    if not isinstance(identity, dict):
+        return None
+    from clef_model.checkpoint import sha256_file
+
+    index_hash = identity.get("index_sha256")
+    index_path = Path(base.path) / "model.safetensors.index.json"
+    if index_hash and index_path.is_file() and sha256_file(index_path) != index_hash:
+        return (f"the variant's manifest records base index sha256 {index_hash[:12]}…, but {base.ref} has "
+                f"{sha256_file(index_path)[:12]}…")
+    return None
+
+
+def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cpu", progress: bool = False) -> dict:
+    """Compare a variant release with its base (see module doc). Raises BlazeError for a variant of another base."""
+    from clef_model.checkpoint import CheckpointReader, sha256_file
+
+    variant, base = _release(variant), _release(base)
+    mismatch = _manifest_base_mismatch(_read_manifest(variant), base)
+    if mismatch:
+        raise BlazeError(f"{variant.ref} is a variant of another base: {mismatch}; pass its own base with --against")
+    v_reader, b_reader = CheckpointReader(Path(variant.path)), CheckpointReader(Path(base.path))
+    v_names, b_names = set(v_reader.names()), set(b_reader.names())
+    if v_names != b_names:
+        missing, extra = sorted(b_names - v_names), sorted(v_names - b_names)
+        raise BlazeError(
+            f"{variant.ref} is not a variant of {base.ref}: tensor names differ "
+            f"({len(missing)} missing, e.g. {missing[:2]}; {len(extra)} extra, e.g. {extra[:2]}); "
+            "pass the base it was made from with --against")
+    for name in sorted(b_names):
+        if tuple(v_reader.shape(name)) != tuple(b_reader.shape(name)) or v_reader.dtype(name) != b_reader.dtype(name):
+            raise BlazeError(
+                f"{variant.ref} is not a variant of {base.ref}: tensor {name} is {v_reader.dtype(name)} "
+                f"{tuple(v_reader.shape(name))} there but {b_reader.dtype(name)} {tuple(b_reader.shape(name))} in "
+                "the base; pass the base it was made from with --against")
+
+    files: dict[str, dict[str, Any]] = {}
+    side_names = sorted(set(base.side_files()) | set(variant.side_files()))
+    for name in side_names:
+        if name in VARIANT_OWN_FILES:
+            continue
+        b_path, v_path = Path(base.path) / name, Path(variant.path) / name
+        b_hash = sha256_file(b_path) if b_path.is_file() else None
+        v_hash = sha256_file(v_path) if v_path.is_file() else None
+        files[name] = {"base": b_hash, "variant": v_hash, "equal": b_hash == v_hash}
+    joint_head = files.get(JOINT_HEAD)
+    release_code = files.get(RELEASE_CODE)
+
+    names = sorted(b_names)
+    iterator = names
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(names, desc="integrity", unit="tensor", leave=False)
+    changed = []
+    identical = 0
+    for name in iterator:
+        if bytes(v_reader.raw_bytes(name)) == bytes(b_reader.raw_bytes(name)):
+            identical += 1
+            continue
+        weight = b_reader.tensor(name).to(torch.float32)
+        delta = v_reader.tensor(name).to(torch.float32) - weight
+        entry: dict[str, Any] = {
+            "name": name, "shape": list(weight.shape), "dtype": b_reader.dtype(name),
+            "relative_change": float(delta.norm() / weight.norm()) if float(weight.norm()) > 0 else float("inf"),
+        }
+        if delta.dim() == 2:
+            rms = float(weight.pow(2).mean().sqrt())
+            entry["rank"] = numerical_rank(delta, rms, b_reader.dtype(name), device)
+        else:
+            entry["rank"] = None
+        changed.append(entry)
+
+    problems = []
+    if base.kind == "clef" or variant.kind == "clef":
+        for label, entry, file in (("joint head", joint_head, JOINT_HEAD), ("release code", release_code, RELEASE_CODE)):
+            if entry is None or not entry["equal"]:
+                problems.append(f"{label} ({file}) differs from the base")
+    for name, entry in files.items():
+        if name not in (JOINT_HEAD, RELEASE_CODE) and not entry["equal"]:
+            problems.append(f"side file {name} differs from the base")
+    manifest = _read_manifest(variant)
+    listed = _manifest_tensors(manifest)
+    if listed is not None:
+        unexpected = [c["name"] for c in changed if c["name"] not in listed]
+        if unexpected:
+            problems.append(f"{len(unexpected)} changed tensor(s) not listed in the manifest, e.g. {unexpected[0]}")
+    return {
+        "passed": not problems,
+        "problems": problems,
+        "joint_head_sha256": joint_head,
+        "release_code_sha256": release_code,
+        "side_files": files,
+        "tensors": len(names),
+        "identical_tensors": identical,
+        "changed_tensors": changed,
+    }
+
+
+def _manifest_tensors(manifest: dict[str, Any] | None) -> set[str] | None:
+    """Names of the tensors the manifest says were edited (None when it does not say)."""
+    if not manifest:
+        return None
+    for key in ("edited_tensors", "tensors", "targets"):
+        value = manifest.get(key)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return {v if v.endswith(".weight") else f"{v}.weight" for v in value}
+        if isinstance(value, dict):
+            return {k if k.endswith(".weight") else f"{k}.weight" for k in value}
+    return None
