@@ -1,0 +1,47 @@
+"""Session-wide test fixtures: a tiny random-weight Clef release, a loaded runtime for it, and smollm2.
+
+Everything is built in-process and offline: `HF_HUB_OFFLINE=1` is set before any Hugging Face import,
+so a test that would reach the network fails loudly instead. The tiny release is built once per session
+with a fixed seed, so every test sees the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("BLAZE_QUIET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Path of a tiny random-weight Clef-Flash release (exact release layout), built once per session."""
+    from clef_model.fixtures import build_fixture
+
+    return build_fixture(tmp_path_factory.mktemp("fixtures") / "tiny", "tiny", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime(tiny_release: Path):
+    """A `Runtime` for the tiny release, loaded once on CPU in float32 (do not leave weights edited)."""
+    import torch
+
+    from clef_model.runtime import Runtime
+
+    return Runtime.load(str(tiny_release), device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct release folder (converted once, cached). Mark users `slow`."""
+    from clef_model.embedded import embedded_release_path
+
+    return embedded_release_path()
