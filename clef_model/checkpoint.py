@@ -573,3 +573,24 @@ def iter_chunks(data: bytes | memoryview, chunk_bytes: int = _COPY_CHUNK) -> Ite
     view = memoryview(data).cast("B")
     for start in range(0, len(view), chunk_bytes):
         yield view[start : start + chunk_bytes]
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write a small single-file safetensors (e.g. a patch) deterministically, mode 0644.
+
+    Tensors are written in the order given; metadata values must be strings (JSON-encode structures).
+    """
+    path = Path(path)
+    meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    entries = [(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()]
+    with open(path, "wb") as handle:
+        handle.write(_header_bytes(entries, meta))
+        for tensor in tensors.values():
+            handle.write(tensor_to_bytes(tensor))
+    os.chmod(path, 0o644)
+
+
+def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read every tensor of a single safetensors file plus its `__metadata__` (for small files such as patches)."""
+    reader = CheckpointReader(Path(path))
+    return {name: reader.tensor(name) for name in reader.names()}, reader.shard_metadata(Path(path).name)
