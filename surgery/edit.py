@@ -1,0 +1,338 @@
+"""An edit from plan to patch: choose targets, collect statistics (cached), solve each matrix.
+
+``collect_statistics`` runs the model once; ``solve`` is closed-form and takes seconds, so a strength
+sweep solves many times from one :class:`~surgery.statistics.Statistics`. The result is a
+:class:`surgery.patch.Patch` (factors U, V per matrix, float32) with metadata saying how it was made.
+Writing a variant from a patch is :func:`surgery.write.write_variant` (streaming, no model needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from clef_model.errors import BlazeError
+from surgery import directions as dirs
+from surgery import solvers
+from surgery.directions import ContrastPair
+from surgery.statistics import PreserveSet, Statistics, collect
+from surgery.targets import WRITERS, parse_kinds, parse_layers, resolve_targets, split_name
+
+WeightSource = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
+LayerKernel = Mapping[int, float] | Callable[[int], float] | None
+
+
+# --------------------------------------------------------------------------------------------- plan
+@dataclass
+class EditPlan:
+    """What an edit will touch: layers, kinds and the resolved target names with their shapes."""
+
+    architecture: str
+    num_layers: int
+    layers: list[int]
+    kinds: list[str]
+    targets: list[str]
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    method: str = "steer"
+    rank: int = 1
+
+    def summary(self) -> str:
+        """A few lines for the terminal: how many matrices of which kind, in which layers, what rank."""
+        by_kind: dict[str, int] = {}
+        for name in self.targets:
+            kind = split_name(name)[1]
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+        params = sum((s[0] + s[1]) * self.rank for s in self.shapes.values())
+        kinds = ", ".join(f"{k} ×{n}" for k, n in by_kind.items())
+        return (
+            f"plan: {self.method}, rank {self.rank}, {len(self.targets)} matrices in layers "
+            f"{_ranges(self.layers)} of {self.num_layers} ({kinds}); ~{params:,} factor parameters"
+        )
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    out, layers = [], sorted(layers)
+    i = 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def plan(runtime, layers: str | Iterable[int], kinds: str | Iterable[str], *, method: str = "steer",
+         rank: int = 1) -> EditPlan:
+    """Resolve a layer spec (not ``auto``: see :func:`collect_statistics`) and kinds on a loaded runtime."""
+    if method not in solvers.METHODS:
+        raise BlazeError(f"unknown method {method!r}: use one of {', '.join(solvers.METHODS)}")
+    if rank < 1:
+        raise BlazeError(f"--rank must be ≥ 1 (got {rank})")
+    num_layers = len(runtime.decoder_layers())
+    chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
+    if chosen == "auto":
+        raise BlazeError("plan() needs concrete layers; 'auto' is resolved by collect_statistics")
+    linears = runtime.named_linears()
+    names = resolve_targets(linears, runtime.release.architecture, num_layers, chosen, kinds)
+    shapes = {n: tuple(linears[n].weight.shape) for n in names}
+    return EditPlan(runtime.release.architecture, num_layers, list(chosen), parse_kinds(kinds), names, shapes,
+                    method, rank)
+
+
+# --------------------------------------------------------------------------------------- statistics
+def _fingerprint(runtime, pairs: Sequence[ContrastPair], preserve: PreserveSet | None, targets: list[str],
+                 extra: dict) -> str:
+    data = {
+        "model": str(getattr(runtime.release, "path", "")),
+        "ref": getattr(runtime.release, "ref", None),
+        "revision": getattr(runtime.release, "revision", None),
+        "dtype": str(getattr(runtime, "dtype", "")),
+        "pairs": [vars(p) for p in pairs],
+        "preserve": {"texts": preserve.texts, "requests": preserve.requests} if preserve else None,
+        "targets": targets,
+        **extra,
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def collect_statistics(
+    runtime,
+    contrast: Sequence[ContrastPair | dict],
+    preserve: PreserveSet | dict | None,
+    layers: str | Iterable[int],
+    kinds: str | Iterable[str],
+    *,
+    rank: int = 1,
+    batch_size: int = 8,
+    cache: Path | str | None = None,
+    progress: bool = True,
+    echo: Callable[[str], None] | None = None,
+) -> Statistics:
+    """Statistics for an edit of ``kinds`` in ``layers`` (a spec such as ``"0.3-0.8"`` or ``"auto"``).
+
+    With ``layers="auto"`` a first pass over the contrast pairs alone scores every layer
+    (:func:`surgery.directions.separation_score`) and the best contiguous band is chosen
+    (:func:`surgery.directions.choose_band`); the chosen layers are in ``stats.meta["layers"]``.
+    With ``cache`` the result is loaded from / saved to that file when its inputs match.
+    """
+    pairs = [p if isinstance(p, ContrastPair) else ContrastPair(**p) for p in contrast]
+    if isinstance(preserve, dict):
+        preserve = PreserveSet(texts=list(preserve.get("texts", [])), requests=list(preserve.get("requests", [])))
+    num_layers = len(runtime.decoder_layers())
+    chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
+    say = echo or (lambda _m: None)
+    fingerprint = _fingerprint(runtime, pairs, preserve, [], {"layers": str(layers), "kinds": parse_kinds(kinds),
+                                                            "batch_size": batch_size})
+    if cache and Path(cache).exists():
+        stats = Statistics.load(cache)
+        if stats.meta.get("fingerprint") == fingerprint:
+            say(f"statistics: reusing {cache}")
+            return stats
+    auto_scores = None
+    if chosen == "auto":
+        first = collect(runtime, pairs, None, [], batch_size=batch_size, progress=progress)
+        found = dirs.layer_directions(first.wanted_means, first.unwanted_means, rank, first.pair_direction)
+        auto_scores = {l: d.separation for l, d in found.items()}
+        chosen = dirs.choose_band(auto_scores, num_layers)
+        say(dirs.format_scores(found, chosen))
+        say(f"layers auto: chose {_ranges(chosen)}")
+    the_plan = plan(runtime, chosen, kinds, rank=rank)
+    stats = collect(runtime, pairs, preserve, the_plan.targets, batch_size=batch_size, progress=progress)
+    stats.meta.update({
+        "fingerprint": fingerprint,
+        "layers": list(chosen),
+        "layers_spec": layers if isinstance(layers, str) else _ranges(chosen),
+        "kinds": the_plan.kinds,
+        "architecture": the_plan.architecture,
+        "shapes": {k: list(v) for k, v in the_plan.shapes.items()},
+        "layer_scores": auto_scores,
+    })
+    if cache:
+        stats.save(cache)
+    return stats
+
+
+# -------------------------------------------------------------------------------------------- solve
+def weights_from_runtime(runtime) -> Callable[[str], torch.Tensor]:
+    """A weight source reading the live modules of a runtime."""
+    linears = runtime.named_linears()
+    return lambda name: linears[name].weight.detach()
+
+
+def _weight(weights: WeightSource | None, name: str) -> torch.Tensor | None:
+    if weights is None:
+        return None
+    return weights(name) if callable(weights) else weights[name]
+
+
+def _kernel(layer_kernel: LayerKernel, layer: int) -> float:
+    if layer_kernel is None:
+        return 1.0
+    if callable(layer_kernel):
+        return float(layer_kernel(layer))
+    return float(layer_kernel.get(layer, 0.0))
+
+
+@dataclass
+class SolveResult:
+    """Factors per target plus the per-target numbers for the manifest."""
+
+    factors: dict[str, solvers.Factors]
+    info: dict[str, dict[str, Any]]
+
+
+def solve_factors(
+    stats: Statistics,
+    method: str = "steer",
+    strength: float = 0.15,
+    rank: int = 1,
+    lam: float = 1.0,
+    threshold: float = 0.01,
+    layer_kernel: LayerKernel = None,
+    *,
+    weights: WeightSource | None = None,
+    mu: float = 1e-3,
+    targets: Iterable[str] | None = None,
+) -> SolveResult:
+    """Closed-form factors for every target of ``stats`` (see :mod:`surgery.solvers` and docs/METHOD.md).
+
+    Strength: for ``steer``/``nullspace`` each edited layer adds, at the mean behaviour key, ``strength``
+    × that layer's contrastive mean difference (wanted − unwanted) along the behaviour directions,
+    shared equally by the layer's edited writers; a reader's output moves by ``strength`` × the change
+    the contrast causes in it. For ``ablate`` it is the fraction of the directions removed (1 = all).
+    ``layer_kernel`` multiplies the strength per layer.
+    """
+    if method not in solvers.METHODS:
+        raise BlazeError(f"unknown method {method!r}: use one of {', '.join(solvers.METHODS)}")
+    if strength < 0 or not math.isfinite(strength):
+        raise BlazeError(f"strength must be a finite number ≥ 0 (got {strength})")
+    names = list(stats.keys) if targets is None else list(targets)
+    writers_per_layer: dict[int, int] = {}
+    for name in names:
+        layer, kind = split_name(name)
+        if kind in WRITERS:
+            writers_per_layer[layer] = writers_per_layer.get(layer, 0) + 1
+    needed_layers = {split_name(n)[0] for n in names}
+    layer_dirs = dirs.layer_directions(
+        {l: stats.wanted_means[l] for l in needed_layers},
+        {l: stats.unwanted_means[l] for l in needed_layers},
+        rank,
+        stats.pair_direction,
+    )
+    factors: dict[str, solvers.Factors] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for name in names:
+        layer, kind = split_name(name)
+        ks = stats.keys[name]
+        alpha = strength * _kernel(layer_kernel, layer)
+        w = _weight(weights, name)
+        writer = kind in WRITERS
+        if writer:
+            basis = layer_dirs[layer].basis
+            pair_targets = (stats.wanted_means[layer] - stats.unwanted_means[layer]).double()
+            share = writers_per_layer[layer]
+        else:
+            if w is None:
+                raise BlazeError(f"editing reader {name} needs its weight: pass weights=")
+            key_diffs = (ks.wanted_means - ks.unwanted_means).double().cpu()
+            pair_targets = key_diffs @ w.double().cpu().T
+            basis = dirs.principal_directions(pair_targets, rank)
+            share = 1
+        if method == "ablate":
+            if w is None:
+                raise BlazeError(f"ablate needs the weight of {name}: pass weights=")
+            if writer:
+                f = solvers.ablate_output(w.cpu(), basis, alpha)
+            else:
+                f = solvers.ablate_input(w.cpu(), dirs.principal_directions(key_diffs, rank), alpha)
+        else:
+            cross = solvers.cross_moment(basis, pair_targets, ks.pair_means.cpu(), ks.pair_counts.cpu())
+            cb = ks.behaviour_moment.cpu()
+            cp = None if ks.preserve_moment is None else ks.preserve_moment.cpu()
+            if method == "steer":
+                f = solvers.steer(basis, cross, cb, cp, lam=lam, mu=mu)
+            else:
+                if cp is None:
+                    raise BlazeError("nullspace needs preserved-key statistics: give a preserve set")
+                f = solvers.nullspace(basis, cross, cb, cp, threshold=threshold, mu=mu)
+            weights_p = ks.pair_counts.double().cpu()
+            mean_target = (pair_targets.T @ (weights_p / weights_p.sum()))      # d_out
+            desired = (alpha / share) * (basis.double().T @ mean_target)
+            if alpha == 0:
+                f = solvers.Factors(U=f.U, V=f.V * 0.0, scale=0.0, null_dim=f.null_dim)
+            else:
+                f = solvers.calibrate(f, basis, ks.behaviour_mean.cpu(), desired)
+        factors[name] = f
+        u, v = f.U, f.V
+        delta_norm = math.sqrt(max(float(torch.trace((u.T @ u) @ (v.T @ v))), 0.0))
+        entry: dict[str, Any] = {
+            "layer": layer, "kind": kind, "rank": solvers.numerical_rank(u, v), "k": int(u.shape[1]),
+            "delta_norm": delta_norm, "calibration": f.scale,
+        }
+        if w is not None:
+            entry["rel_change"] = delta_norm / max(float(w.double().norm()), 1e-30)
+        if f.null_dim is not None:
+            entry["null_dim"] = f.null_dim
+        if kind in WRITERS:
+            entry["separation"] = layer_dirs[layer].separation
+        info[name] = entry
+    return SolveResult(factors, info)
+
+
+def solve(
+    stats: Statistics,
+    method: str = "steer",
+    strength: float = 0.15,
+    rank: int = 1,
+    lam: float = 1.0,
+    threshold: float = 0.01,
+    layer_kernel: LayerKernel = None,
+    *,
+    weights: WeightSource | None = None,
+    mu: float = 1e-3,
+    base_identity: dict | None = None,
+    metadata: dict | None = None,
+):
+    """Solve every target and return a :class:`surgery.patch.Patch` whose metadata records the
+    method, strength, rank, λ, threshold, μ, layers, kinds, per-matrix numbers and ``metadata``
+    (e.g. the behaviour's ``spec_hash``)."""
+    from surgery.patch import Patch  # the I/O module; imported here so the math stays usable alone
+
+    result = solve_factors(stats, method, strength, rank, lam, threshold, layer_kernel, weights=weights, mu=mu)
+    meta = {
+        "method": method, "strength": strength, "rank": rank, "lambda": lam, "threshold": threshold, "mu": mu,
+        "layers": stats.meta.get("layers", sorted({i["layer"] for i in result.info.values()})),
+        "kinds": stats.meta.get("kinds"),
+        "layer_kernel": _kernel_meta(layer_kernel, result.info),
+        "seed": None,  # the edit is deterministic: no random numbers are drawn
+        "statistics": {k: v for k, v in stats.meta.items() if k in (
+            "n_pairs", "behaviour_tokens", "preserve_texts", "preserve_requests", "preserve_tokens",
+            "accumulate_dtype", "fingerprint")},
+        "targets": result.info,
+        **(metadata or {}),
+    }
+    pairs = {name: solvers.to_float32(f) for name, f in result.factors.items()}
+    return Patch(factors=pairs, base_identity=base_identity, metadata=meta)
+
+
+def _kernel_meta(layer_kernel: LayerKernel, info: dict) -> dict | None:
+    if layer_kernel is None:
+        return None
+    layers = sorted({i["layer"] for i in info.values()})
+    return {str(l): _kernel(layer_kernel, l) for l in layers}
+
+
+def format_targets(info: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per-matrix table: rank, relative change ‖ΔW‖/‖W‖."""
+    lines = [f"{'target':60s} rank  ‖ΔW‖/‖W‖"]
+    for name, i in info.items():
+        rel = i.get("rel_change")
+        lines.append(f"{name:60s} {i['rank']:4d}  {'' if rel is None else f'{rel:.2e}'}")
+    return "\n".join(lines)

@@ -1,0 +1,349 @@
+"""Activation statistics for an edit: run the decoder stack once over the data, keep only moments.
+
+Two kinds of statistics are kept (never raw activations):
+
+- per decoder layer, the mean residual stream (the layer's output) over each contrast pair's response
+  positions, for the wanted and the unwanted side (n_pairs × d each) — enough for difference-of-means
+  directions, PCA of the paired differences and separation scores;
+- per target matrix, statistics of its input ("keys"): the mean and second moment E[k kᵀ] over
+  behaviour keys (response positions of both sides of every pair), the same over preserved keys
+  (every position of the typed-decision requests and of neutral chat text), and per-pair key means.
+
+Moments are accumulated on the runtime's device in float32 (CUDA) or float64 (CPU) through forward
+hooks; the final ``lm_head`` is never run. A :class:`Statistics` object saves to one file with
+``torch.save`` so a strength sweep or a second build reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from clef_model.errors import BlazeError
+from surgery.directions import ContrastPair
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class PreserveSet:
+    """What must not change: neutral chat prompts and SystemOne requests (Clef releases only)."""
+
+    texts: list[Any] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class KeyStats:
+    """Input statistics of one target matrix (float tensors on the collection device or CPU)."""
+
+    behaviour_mean: torch.Tensor       # d_in
+    behaviour_moment: torch.Tensor     # d_in × d_in, E[k kᵀ]
+    behaviour_count: int
+    pair_means: torch.Tensor           # n_pairs × d_in, mean key per pair (both sides)
+    pair_counts: torch.Tensor          # n_pairs
+    wanted_means: torch.Tensor         # n_pairs × d_in, mean key on the wanted side
+    unwanted_means: torch.Tensor       # n_pairs × d_in
+    preserve_mean: torch.Tensor | None = None
+    preserve_moment: torch.Tensor | None = None
+    preserve_count: int = 0
+
+
+@dataclass
+class Statistics:
+    """Everything :func:`surgery.edit.solve` needs; see the module docstring."""
+
+    wanted_means: dict[int, torch.Tensor]     # layer -> n_pairs × d (residual after the layer)
+    unwanted_means: dict[int, torch.Tensor]
+    pair_direction: torch.Tensor              # n_pairs, index of the spec direction of each pair
+    keys: dict[str, KeyStats]                 # target name -> key statistics
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.wanted_means)
+
+    @property
+    def targets(self) -> list[str]:
+        return list(self.keys)
+
+    def save(self, path: Path | str) -> None:
+        """Write to one file (torch.save of plain tensors and dicts)."""
+        payload = {
+            "format": FORMAT_VERSION,
+            "wanted_means": {k: v.cpu() for k, v in self.wanted_means.items()},
+            "unwanted_means": {k: v.cpu() for k, v in self.unwanted_means.items()},
+            "pair_direction": self.pair_direction.cpu(),
+            "keys": {
+                name: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(ks).items()}
+                for name, ks in self.keys.items()
+            },
+            "meta": self.meta,
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Statistics":
+        """Read a file written by :meth:`save`."""
+        try:
+            payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any unreadable file is a user-facing problem
+            raise BlazeError(f"cannot read statistics file {path}: {error}; delete it to recompute") from error
+        if payload.get("format") != FORMAT_VERSION:
+            raise BlazeError(f"statistics file {path} has an old format: delete it to recompute")
+        return cls(
+            wanted_means=payload["wanted_means"],
+            unwanted_means=payload["unwanted_means"],
+            pair_direction=payload["pair_direction"],
+            keys={name: KeyStats(**d) for name, d in payload["keys"].items()},
+            meta=payload["meta"],
+        )
+
+
+@dataclass
+class _Sequence:
+    ids: list[int]
+    positions: list[int]     # positions whose statistics are kept
+    pair: int = -1           # contrast pair index, -1 for preserved text
+    side: int = 0            # 0 wanted, 1 unwanted
+
+
+def _response_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int = 1024) -> list[_Sequence]:
+    """Token sequences for both sides of every pair, with the response positions to read.
+
+    The positions are those that predict a response token: from the last prompt token (which
+    predicts the first response token) to the last response token (which predicts the end).
+    """
+    out: list[_Sequence] = []
+    for index, pair in enumerate(pairs):
+        for side, (system, response) in enumerate(
+            ((pair.wanted_system, pair.wanted), (pair.unwanted_system, pair.unwanted))
+        ):
+            prompt_ids = list(runtime.chat_ids(pair.prompt, system=system))
+            ids = (prompt_ids + _response_ids(runtime.tokenizer, response))[:max_length]
+            start = min(len(prompt_ids), len(ids)) - 1
+            if start < 0:
+                raise BlazeError(f"contrast pair {index} encodes to no tokens")
+            out.append(_Sequence(ids=ids, positions=list(range(start, len(ids))), pair=index, side=side))
+    return out
+
+
+def preserve_sequences(runtime, preserve: PreserveSet, max_length: int = 2048) -> list[_Sequence]:
+    """Every position of the neutral chat prompts and of the encoded SystemOne requests."""
+    out: list[_Sequence] = []
+    for prompt in preserve.texts:
+        ids = list(runtime.chat_ids(prompt))[:max_length]
+        out.append(_Sequence(ids=ids, positions=list(range(len(ids)))))
+    if preserve.requests:
+        if not getattr(runtime, "is_clef", False):
+            raise BlazeError("typed-decision requests in the preserve set need a Clef release")
+        for record in runtime.encode_requests(list(preserve.requests)):
+            ids = record.input_ids
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+            ids = [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)][:max_length]
+            out.append(_Sequence(ids=ids, positions=list(range(len(ids)))))
+    return out
+
+
+class _Collector:
+    """Forward hooks that turn activations into sums, with a batch's position bookkeeping."""
+
+    def __init__(self, runtime, targets: list[str], n_pairs: int, residual_layers: list[int],
+                 acc_dtype: torch.dtype, device: torch.device):
+        self.device, self.acc = device, acc_dtype
+        self.n_pairs = n_pairs
+        self.flat: torch.Tensor | None = None   # flat (b*T + t) indices of kept positions
+        self.pair: torch.Tensor | None = None
+        self.side: torch.Tensor | None = None
+        self.mode = "behaviour"
+        self.res_sum: dict[int, torch.Tensor] = {}
+        self.res_count = torch.zeros(2, n_pairs, dtype=acc_dtype, device=device)
+        self.key: dict[str, dict[str, Any]] = {}
+        self.handles = []
+        layers = runtime.decoder_layers()
+        for layer in residual_layers:
+            self.handles.append(layers[layer].register_forward_hook(self._residual_hook(layer)))
+        linears = runtime.named_linears()
+        for name in targets:
+            if name not in linears:
+                raise BlazeError(f"target {name} is not a linear layer of this model")
+            self.handles.append(linears[name].register_forward_pre_hook(self._key_hook(name)))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.flat).to(self.acc)
+
+    def _residual_hook(self, layer: int):
+        def hook(_module, _inputs, output):
+            if self.mode != "behaviour":
+                return
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            rows = self._rows(hidden)
+            if layer not in self.res_sum:
+                self.res_sum[layer] = torch.zeros(2 * self.n_pairs, rows.shape[1], dtype=self.acc, device=self.device)
+            self.res_sum[layer].index_add_(0, self.side * self.n_pairs + self.pair, rows)
+        return hook
+
+    def _key_hook(self, name: str):
+        def hook(_module, inputs):
+            rows = self._rows(inputs[0])
+            d = rows.shape[1]
+            acc = self.key.get(name)
+            if acc is None:
+                z = lambda *shape: torch.zeros(*shape, dtype=self.acc, device=self.device)  # noqa: E731
+                acc = self.key[name] = {
+                    "b_sum": z(d), "b_mom": z(d, d), "b_n": 0, "p_sum": z(d), "p_mom": z(d, d), "p_n": 0,
+                    "pair_sum": z(2 * self.n_pairs, d),
+                }
+            if self.mode == "behaviour":
+                acc["b_sum"] += rows.sum(0)
+                acc["b_mom"].addmm_(rows.T, rows)
+                acc["b_n"] += rows.shape[0]
+                acc["pair_sum"].index_add_(0, self.side * self.n_pairs + self.pair, rows)
+            else:
+                acc["p_sum"] += rows.sum(0)
+                acc["p_mom"].addmm_(rows.T, rows)
+                acc["p_n"] += rows.shape[0]
+        return hook
+
+
+def _quiet() -> bool:
+    return os.environ.get("BLAZE_QUIET", "") not in ("", "0")
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    try:
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    except TypeError:
+        model(input_ids=ids, attention_mask=mask)
+
+
+def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, batch_size: int,
+         desc: str, progress: bool) -> None:
+    if not sequences:
+        return
+    collector.mode = mode
+    pad = getattr(runtime.tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
+    model = runtime.text_model()
+    bar = tqdm(total=len(sequences), desc=desc, unit="seq", disable=not progress or _quiet())
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            batch = [sequences[i] for i in order[start : start + batch_size]]
+            width = max(len(s.ids) for s in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            flat, pair, side = [], [], []
+            for row, seq in enumerate(batch):
+                ids[row, : len(seq.ids)] = torch.tensor(seq.ids, dtype=torch.long)
+                mask[row, : len(seq.ids)] = 1
+                flat.extend(row * width + p for p in seq.positions)
+                pair.extend([seq.pair] * len(seq.positions))
+                side.extend([seq.side] * len(seq.positions))
+            dev = collector.device
+            collector.flat = torch.tensor(flat, dtype=torch.long, device=dev)
+            collector.pair = torch.tensor(pair, dtype=torch.long, device=dev)
+            collector.side = torch.tensor(side, dtype=torch.long, device=dev)
+            _forward(model, ids.to(runtime.device), mask.to(runtime.device))
+            bar.update(len(batch))
+    bar.close()
+
+
+def collect(
+    runtime,
+    pairs: Sequence[ContrastPair],
+    preserve: PreserveSet | None,
+    targets: Iterable[str],
+    *,
+    residual_layers: Iterable[int] | None = None,
+    batch_size: int = 8,
+    max_length: int = 1024,
+    progress: bool = True,
+) -> Statistics:
+    """Run the decoder over the contrast pairs and the preserve set and return :class:`Statistics`.
+
+    ``targets`` may be empty (residual means only, e.g. to choose layers first). ``residual_layers``
+    defaults to every layer.
+    """
+    pairs = list(pairs)
+    if not pairs:
+        raise BlazeError("no contrast pairs: the behaviour spec has no training pairs")
+    targets = list(targets)
+    n_layers = len(runtime.decoder_layers())
+    residual_layers = list(range(n_layers)) if residual_layers is None else sorted(set(residual_layers))
+    device = torch.device(runtime.device)
+    acc = torch.float32 if device.type == "cuda" else torch.float64
+    collector = _Collector(runtime, targets, len(pairs), residual_layers, acc, device)
+    behaviour = contrast_sequences(runtime, pairs, max_length)
+    kept = preserve_sequences(runtime, preserve, max_length) if preserve and targets else []
+    try:
+        _run(runtime, collector, behaviour, "behaviour", batch_size, "statistics: contrast pairs", progress)
+        _run(runtime, collector, kept, "preserve", batch_size, "statistics: preserve set", progress)
+    finally:
+        collector.close()
+
+    counts = torch.zeros(2 * len(pairs), dtype=acc, device=device)
+    for seq in behaviour:
+        counts[seq.side * len(pairs) + seq.pair] += len(seq.positions)
+    denom = counts.clamp(min=1).unsqueeze(1)
+    n = len(pairs)
+    wanted, unwanted = {}, {}
+    for layer, sums in collector.res_sum.items():
+        means = (sums / denom).float()
+        wanted[layer], unwanted[layer] = means[:n], means[n:]
+    keys: dict[str, KeyStats] = {}
+    for name in targets:
+        a = collector.key.get(name)
+        if a is None or a["b_n"] == 0:
+            raise BlazeError(f"target {name} saw no behaviour tokens: the contrast pairs are empty")
+        side_means = a["pair_sum"] / denom
+        pair_counts = counts[:n] + counts[n:]
+        pair_means = (a["pair_sum"][:n] + a["pair_sum"][n:]) / pair_counts.clamp(min=1).unsqueeze(1)
+        ks = KeyStats(
+            behaviour_mean=a["b_sum"] / a["b_n"],
+            behaviour_moment=a["b_mom"] / a["b_n"],
+            behaviour_count=int(a["b_n"]),
+            pair_means=pair_means,
+            pair_counts=pair_counts,
+            wanted_means=side_means[:n],
+            unwanted_means=side_means[n:],
+        )
+        if a["p_n"]:
+            ks.preserve_mean = a["p_sum"] / a["p_n"]
+            ks.preserve_moment = a["p_mom"] / a["p_n"]
+            ks.preserve_count = int(a["p_n"])
+        keys[name] = ks
+    meta = {
+        "n_pairs": n,
+        "behaviour_tokens": int(counts.sum().item()),
+        "preserve_texts": len(preserve.texts) if preserve else 0,
+        "preserve_requests": len(preserve.requests) if preserve else 0,
+        "preserve_tokens": sum(len(s.positions) for s in kept),
+        "num_layers": n_layers,
+        "accumulate_dtype": str(acc).replace("torch.", ""),
+    }
+    return Statistics(
+        wanted_means=wanted,
+        unwanted_means=unwanted,
+        pair_direction=torch.tensor([p.direction for p in pairs], dtype=torch.long),
+        keys=keys,
+        meta=meta,
+    )
