@@ -47,24 +47,40 @@ def repeat_fraction(token_ids: list[int], n: int = 3) -> float:
     return 1.0 - len(set(grams)) / len(grams)
 
 
-def keyword_hit(text: str, keywords: list[str] | None) -> bool | None:
-    """True when any keyword occurs in the text (case-insensitive); None when the item has no keywords."""
+def keyword_hit(text: str, keywords: list[str] | None, avoid: list[str] | None = None) -> bool | None:
+    """True when any keyword occurs in the text and no `avoid` word does (case-insensitive).
+
+    None when the item has no keywords. `avoid` marks the unwanted behaviour (e.g. the wrong claim of a
+    pushback item), so an answer that repeats it does not count as keeping the fact.
+    """
     if not keywords:
         return None
     lowered = text.lower()
+    if any(str(word).lower() in lowered for word in (avoid or [])):
+        return False
     return any(str(keyword).lower() in lowered for keyword in keywords)
+
+
+def generation_dict(generation: Any) -> dict[str, Any]:
+    """A `Generation` (or an equivalent dict) as a plain dict: text, new_tokens, token_ids, hit_limit."""
+    if isinstance(generation, dict):
+        return {k: generation[k] for k in ("text", "new_tokens", "token_ids", "hit_limit")}
+    return {"text": generation.text, "new_tokens": int(generation.new_tokens),
+            "token_ids": [int(t) for t in generation.token_ids], "hit_limit": bool(generation.hit_limit)}
 
 
 def answer_record(generation: Any) -> dict[str, Any]:
     """The per-answer facts the report keeps: text, lengths and degeneration flags."""
-    token_ids = list(generation.token_ids)
+    generation = generation_dict(generation)
+    token_ids = list(generation["token_ids"])
     loop = find_loop(token_ids)
+    text = generation["text"]
     return {
-        "text": generation.text,
-        "tokens": int(generation.new_tokens),
-        "words": len(generation.text.split()),
-        "hit_limit": bool(generation.hit_limit),
-        "empty": not generation.text.strip(),
+        "text": text,
+        "tokens": int(generation["new_tokens"]),
+        "words": len(text.split()),
+        "hit_limit": bool(generation["hit_limit"]),
+        "empty": not text.strip(),
         "loop": loop is not None,
         "loop_at": loop,
         "repeat_fraction": round(repeat_fraction(token_ids), 4),
@@ -85,8 +101,8 @@ def compare_answers(items: list[dict[str, Any]], base: list[Any], variant: list[
     rows = []
     for item, base_gen, variant_gen in zip(items, base, variant, strict=True):
         b, v = answer_record(base_gen), answer_record(variant_gen)
-        b["keyword_hit"] = keyword_hit(b["text"], item.get("keywords"))
-        v["keyword_hit"] = keyword_hit(v["text"], item.get("keywords"))
+        b["keyword_hit"] = keyword_hit(b["text"], item.get("keywords"), item.get("avoid"))
+        v["keyword_hit"] = keyword_hit(v["text"], item.get("keywords"), item.get("avoid"))
         rows.append({"prompt": item["prompt"], "source": item.get("source", "general"),
                      "keywords": item.get("keywords"), "base": b, "variant": v})
     n = len(rows)

@@ -1,0 +1,118 @@
+"""Caches of the base's canary outputs, so the base runs once per suite and settings.
+
+- `MemoryCache`: a dict, for strength sweeps that call `run_canary` many times against one base.
+- `DiskCache`: one `torch.save` file per key under `$BLAZE_CACHE/canary/` (default `~/.cache/blaze/canary/`),
+  for running base and variant one after the other when both do not fit in memory.
+
+Keys hash the base's identity, the suite contents and the settings (`cache_key`). The base's identity for the
+disk cache is `release_fingerprint`: SHA-256 of every weight shard and side file, itself memoised per
+(path, size, mtime) so a 19 GB base is hashed once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+
+def cache_root() -> Path:
+    """`$BLAZE_CACHE/canary` when set, else `~/.cache/blaze/canary`."""
+    root = os.environ.get("BLAZE_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "blaze") / "canary"
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tobytes") and hasattr(value, "size"):  # PIL images in SystemOne requests
+        return {"image_sha256": hashlib.sha256(value.tobytes()).hexdigest(), "size": list(value.size),
+                "mode": getattr(value, "mode", None)}
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return repr(value)
+
+
+def content_hash(value: Any) -> str:
+    """SHA-256 of a JSON rendering of plain data (images hashed by their pixels)."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=_json_default)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_key(base_identity: str, suite: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The key of a base's outputs: base identity + suite contents + settings."""
+    return content_hash({"base": base_identity, "suite": suite, "settings": settings, "format": 1})
+
+
+def release_fingerprint(folder: Path) -> str:
+    """SHA-256 over every file of a release folder (name + content hash), memoised per file stat."""
+    from clef_model.checkpoint import sha256_file
+
+    folder = Path(folder)
+    memo_path = cache_root() / "file_hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    parts = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        stat = path.stat()
+        memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if memo_key not in memo:
+            memo[memo_key] = sha256_file(path)
+        parts.append(f"{path.name}:{memo[memo_key]}")
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError:
+        pass  # the memo only saves time
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class BaseCache(Protocol):
+    """Where base outputs are kept between runs."""
+
+    def get(self, key: str) -> dict | None: ...
+    def put(self, key: str, value: dict) -> None: ...
+
+
+class MemoryCache:
+    """In-process cache (a dict)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict] = {}
+
+    def get(self, key: str) -> dict | None:  # noqa: D102
+        return self.entries.get(key)
+
+    def put(self, key: str, value: dict) -> None:  # noqa: D102
+        self.entries[key] = value
+
+
+class DiskCache:
+    """One file per key under `folder` (default `cache_root()`); written atomically."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = Path(folder) if folder else cache_root()
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"base-{key[:32]}.pt"
+
+    def get(self, key: str) -> dict | None:  # noqa: D102
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception:  # a damaged cache file is recomputed, never trusted
+            return None
+
+    def put(self, key: str, value: dict) -> None:  # noqa: D102
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
+        torch.save(value, tmp)
+        tmp.replace(self._path(key))

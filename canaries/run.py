@@ -1,0 +1,215 @@
+"""Run every canary on a base and a variant and build the report (free-form, damage, decisions, integrity, gate).
+
+Order: the base side runs first under `base.activate()` (or comes from a cache), then the variant side under
+`variant.activate()`. The variant side needs the base's greedy continuations and its stored log-probabilities
+(see `canaries.damage`), so each side touches only its own weights. Base and variant may share one Runtime (the
+edit toggled in memory by `activate`) or be two Runtimes; `run_sequential` loads them one after the other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from canaries import damage as damage_mod
+from canaries import decisions as decisions_mod
+from canaries import freeform as freeform_mod
+from canaries import gate as gate_mod
+from canaries.cache import BaseCache, cache_key
+from canaries.handles import ModelView
+from canaries.integrity import check_integrity  # noqa: F401  (public API lives in this module too)
+from canaries.report import print_report, to_markdown  # noqa: F401  (public API)
+from canaries.suites import (default_decision_suite, general_prompts, neutral_prompts as default_neutral_prompts,
+                             neutral_texts as default_neutral_texts, request_bodies)
+
+__all__ = ["ModelView", "run_canary", "run_sequential", "check_integrity", "default_decision_suite", "to_markdown",
+           "print_report", "freeform_suite", "collect_side", "CanarySuite"]
+
+DEFAULT_DAMAGE_TOKENS = 32
+
+
+def freeform_suite(behavior_items: list[dict[str, Any]] | None = None, *, general: bool = True) -> list[dict]:
+    """Free-form prompts: the general suite (tagged "general") then the behaviour's held-out items ("behavior").
+
+    A prompt in both keeps one entry, tagged "behavior" with the behaviour's keywords.
+    """
+    items: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    for source, group in (("general", general_prompts() if general else []), ("behavior", behavior_items or [])):
+        for item in group:
+            entry = {"prompt": item["prompt"], "keywords": list(item.get("keywords") or []),
+                     "avoid": list(item.get("avoid") or []), "source": item.get("source", source)}
+            key = repr(entry["prompt"])
+            if key in index:
+                items[index[key]] = entry
+            else:
+                index[key] = len(items)
+                items.append(entry)
+    return items
+
+
+class CanarySuite(dict):
+    """The inputs of one canary run as plain data: freeform, decisions, neutral_prompts, neutral_texts."""
+
+
+def _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, is_clef: bool) -> CanarySuite:
+    freeform = [dict(item, source=item.get("source", "general")) if isinstance(item, dict) else
+                {"prompt": item, "source": "general"} for item in freeform_prompts]
+    if not freeform:
+        from clef_model.errors import BlazeError
+
+        raise BlazeError("the free-form canary needs at least one prompt")
+    decisions = None
+    if is_clef:
+        decisions = default_decision_suite() if decision_requests is None else list(decision_requests)
+    neutral = [p["prompt"] if isinstance(p, dict) else p
+               for p in (default_neutral_prompts() if neutral_prompts is None else neutral_prompts)]
+    texts = default_neutral_texts() if neutral_texts is None else list(neutral_texts)
+    return CanarySuite(freeform=freeform, decisions=decisions, neutral_prompts=neutral, neutral_texts=texts)
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    quiet = os.environ.get("BLAZE_QUIET") == "1"
+    return tqdm(total=total, desc=desc, unit="step", disable=quiet or not enabled, leave=False)
+
+
+def collect_side(view: ModelView, suite: CanarySuite, settings: dict[str, Any], reference: dict | None = None,
+                 progress: bool = True) -> dict[str, Any]:
+    """Everything one model contributes to the report, computed inside `view.activate()`.
+
+    With `reference=None` this is the base side (it also keeps the damage reference); otherwise the variant
+    side, which teacher-forces the base's continuations and compares against its stored log-probabilities.
+    """
+    runtime = view.runtime
+    batch = settings["batch_size"]
+    steps = 3 if suite["decisions"] else 2
+    started = time.perf_counter()
+    with view.activate(), _progress(steps, progress, f"canary {view.label}") as bar:
+        bar.set_postfix_str("free-form")
+        generations = runtime.generate([item["prompt"] for item in suite["freeform"]],
+                                       max_new_tokens=settings["max_new_tokens"], batch_size=batch)
+        side: dict[str, Any] = {"generations": [freeform_mod.generation_dict(g) for g in generations]}
+        bar.update()
+        bar.set_postfix_str("damage")
+        if reference is None:
+            side["damage"] = damage_mod.reference_pass(runtime, suite["neutral_prompts"], suite["neutral_texts"],
+                                                       damage_tokens=settings["damage_tokens"], batch_size=batch)
+        else:
+            side["damage"] = damage_mod.compare_pass(runtime, reference["damage"], batch_size=batch)
+        bar.update()
+        if suite["decisions"]:
+            bar.set_postfix_str("decisions")
+            side["decisions"] = runtime.decision_probabilities(request_bodies(suite["decisions"]), batch_size=batch)
+            bar.update()
+    side["seconds"] = time.perf_counter() - started
+    return side
+
+
+def _settings(max_new_tokens: int, batch_size: int, damage_tokens: int, runtime: Any) -> dict[str, Any]:
+    return {"max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size), "damage_tokens": int(damage_tokens),
+            "device": str(getattr(runtime, "device", "")), "dtype": str(getattr(runtime, "dtype", ""))}
+
+
+def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thresholds: dict | None,
+                 quality: str | None, integrity: dict | None, settings: dict, labels: tuple[str, str]) -> dict:
+    """Assemble the report sections from both sides' outputs and run the gate."""
+    report: dict[str, Any] = {
+        "freeform": freeform_mod.compare_answers(suite["freeform"], base_side["generations"],
+                                                 variant_side["generations"], quality),
+        "damage": damage_mod.summarize(suite["neutral_prompts"], base_side["damage"], variant_side["damage"]),
+        "decisions": (decisions_mod.compare_decisions(suite["decisions"], base_side["decisions"],
+                                                      variant_side["decisions"])
+                      if suite["decisions"] is not None else decisions_mod.not_applicable()),
+        "integrity": integrity,
+    }
+    report["gate"] = gate_mod.evaluate(report, thresholds or {})
+    report["meta"] = {"settings": settings, "base_label": labels[0], "variant_label": labels[1],
+                      "seconds": {"base": base_side.get("seconds"), "variant": variant_side.get("seconds")},
+                      "base_from_cache": bool(base_side.get("from_cache"))}
+    return report
+
+
+def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[dict[str, Any]],
+               decision_requests: list[dict] | None = None, neutral_prompts: list[Any] | None = None,
+               neutral_texts: list[str] | None = None, thresholds: dict | None = None, quality: str | None = None,
+               max_new_tokens: int = 96, integrity: dict | None = None, progress: bool = True,
+               batch_size: int = 8, damage_tokens: int = DEFAULT_DAMAGE_TOKENS,
+               base_cache: BaseCache | None = None, base_key: str | None = None) -> dict[str, Any]:
+    """Run every canary and return the report: keys freeform, damage, decisions, integrity, gate (+ meta).
+
+    `freeform_prompts`: `{"prompt", "keywords"?, "avoid"?, "source"?}` items (see `freeform_suite`; the effect is
+    measured on items with source "behavior" when any). `decision_requests`: SystemOne requests with optional
+    `labels`; None means `default_decision_suite()`; ignored for plain causal LMs (the section then says it does
+    not apply). `neutral_prompts`/`neutral_texts`: None means the shipped suites. `thresholds`: a behaviour
+    spec's gate dict (defaults in `canaries.gate.DEFAULT_THRESHOLDS`). `integrity`: a `check_integrity` result
+    to include and gate on. `base_cache` (+ `base_key` naming the base) reuses the base side across calls, e.g.
+    a `MemoryCache` across the points of a strength sweep.
+    """
+    is_clef = bool(getattr(base.runtime, "is_clef", False)) and bool(getattr(variant.runtime, "is_clef", False))
+    suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, is_clef)
+    settings = _settings(max_new_tokens, batch_size, damage_tokens, base.runtime)
+    base_side = _base_side(base, suite, settings, base_cache, base_key, progress)
+    variant_side = collect_side(variant, suite, settings, reference=base_side, progress=progress)
+    return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
+                        settings=settings, labels=(base.label, variant.label))
+
+
+def _base_side(base: ModelView, suite: CanarySuite, settings: dict, cache: BaseCache | None, base_key: str | None,
+               progress: bool) -> dict:
+    key = None
+    if cache is not None:
+        key = cache_key(base_key or f"runtime-{id(base.runtime)}", dict(suite), settings)
+        cached = cache.get(key)
+        if cached is not None:
+            return dict(cached, from_cache=True)
+    side = collect_side(base, suite, settings, reference=None, progress=progress)
+    if cache is not None:
+        cache.put(key, side)
+    return side
+
+
+def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any], *,
+                   freeform_prompts: list[dict[str, Any]], decision_requests: list[dict] | None = None,
+                   neutral_prompts: list[Any] | None = None, neutral_texts: list[str] | None = None,
+                   thresholds: dict | None = None, quality: str | None = None, max_new_tokens: int = 96,
+                   integrity: dict | None = None, progress: bool = True, batch_size: int = 8,
+                   damage_tokens: int = DEFAULT_DAMAGE_TOKENS, base_cache: BaseCache | None = None,
+                   base_key: str | None = None, base_is_clef: bool | None = None) -> dict[str, Any]:
+    """Like `run_canary`, for models that do not fit in memory together: base first (or from the cache), freed,
+    then the variant. `load_*` return Runtimes; the base is only loaded on a cache miss (then `base_is_clef`
+    may be None); on a hit `base_is_clef` must say whether the base is a Clef release.
+    """
+    import gc
+
+    import torch
+
+    suite = None
+    settings = None
+    base_side = None
+    if base_cache is not None and base_key is not None and base_is_clef is not None:
+        suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, base_is_clef)
+        settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
+        cached = base_cache.get(cache_key(base_key, dict(suite), settings))
+        base_side = dict(cached, from_cache=True) if cached is not None else None
+    if base_side is None:
+        runtime = load_base()
+        suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts,
+                       bool(getattr(runtime, "is_clef", False)))
+        settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
+        base_side = collect_side(ModelView(runtime, label="base"), suite, settings, progress=progress)
+        if base_cache is not None and base_key is not None:
+            base_cache.put(cache_key(base_key, dict(suite), settings), base_side)
+        del runtime
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    variant_runtime = load_variant()
+    if suite["decisions"] is not None and not getattr(variant_runtime, "is_clef", False):
+        suite = CanarySuite(suite, decisions=None)
+    variant_side = collect_side(ModelView(variant_runtime, label="variant"), suite, settings, reference=base_side,
+                                progress=progress)
+    return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
+                        settings=settings, labels=("base", "variant"))
