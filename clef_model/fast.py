@@ -342,11 +342,14 @@ class GraphedBackbone:
     """
 
     def __init__(self, engine: QwenEngine, *, buckets: Sequence[int] = default_buckets(),
-                 pad_token_id: int = 0, use_graphs: bool | None = None) -> None:
+                 pad_token_id: int = 0, use_graphs: bool | None = None,
+                 pad_to_bucket: bool | None = None) -> None:
         self.engine = engine
         self.buckets = tuple(sorted(buckets))
         self.pad_token_id = pad_token_id
         self.use_graphs = engine.device.type == "cuda" if use_graphs is None else use_graphs
+        # padding without graphs only serves tests: it feeds the eager path what a graph would see
+        self.pad_to_bucket = self.use_graphs if pad_to_bucket is None else pad_to_bucket
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 
@@ -385,8 +388,12 @@ class GraphedBackbone:
         """Hidden states ``[1, T, hidden]`` for one unpadded row ``input_ids [1, T]``."""
         length = input_ids.shape[1]
         bucket = self.bucket_for(length)
-        if not self.use_graphs or bucket is None or input_ids.shape[0] != 1:
+        if bucket is None or input_ids.shape[0] != 1 or not (self.use_graphs or self.pad_to_bucket):
             return self.engine.hidden_states(input_ids)
+        if not self.use_graphs:
+            ids = torch.full((1, bucket), self.pad_token_id, dtype=torch.long, device=input_ids.device)
+            ids[:, :length].copy_(input_ids)
+            return self.engine.hidden_states(ids)[:, :length]
         graph, ids, out = self._graphs.get(bucket) or self._capture(bucket)
         ids.fill_(self.pad_token_id)
         ids[:, :length].copy_(input_ids)
@@ -405,7 +412,8 @@ class FastSystemOne:
 
     def __init__(self, backbone_model: torch.nn.Module, head: torch.nn.Module, tokenizer: Any,
                  release_code: ModuleType, reference: Callable[[dict], dict], *, processor: Any = None,
-                 buckets: Sequence[int] = default_buckets(), use_graphs: bool | None = None) -> None:
+                 buckets: Sequence[int] = default_buckets(), use_graphs: bool | None = None,
+                 pad_to_bucket: bool | None = None) -> None:
         self.engine = QwenEngine(backbone_model)
         self.head = head
         self.tokenizer = tokenizer
@@ -413,7 +421,8 @@ class FastSystemOne:
         self.code = release_code
         self.reference = reference
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.backbone = GraphedBackbone(self.engine, buckets=buckets, pad_token_id=pad, use_graphs=use_graphs)
+        self.backbone = GraphedBackbone(self.engine, buckets=buckets, pad_token_id=pad, use_graphs=use_graphs,
+                                        pad_to_bucket=pad_to_bucket)
 
     def _plain(self, request: dict) -> bool:
         questions = request.get("questions")

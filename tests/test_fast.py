@@ -1,0 +1,169 @@
+"""The fast paths (clef_model.fast) compute what the reference transformers / release-code paths compute.
+
+CPU, float32, on the `tiny` fixture (real Qwen3.5 structure, random weights). The CUDA-graph capture
+itself only runs on a GPU (scripts/bench_gpu.py checks it there against the same references); these
+tests cover the same static-shape code it captures: padded SystemOne forwards and the static-cache
+decode step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from clef_model.errors import BlazeError
+from clef_model.fast import FastSystemOne, GraphedBackbone, QwenEngine, StaticGreedyDecoder, is_supported
+from clef_model.fixtures import build_fixture
+from clef_model.trust import import_release_code_file
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """The tiny fixture, its release code, and the release's own model + processor (CPU, float32)."""
+    folder = build_fixture(tmp_path_factory.mktemp("fast") / "tiny", "tiny", progress=False)
+    code = import_release_code_file(folder / "joint_schema_model.py")
+    clef, processor = code.load_release_model(folder, device="cpu", dtype=torch.float32)
+    return folder, code, clef, processor
+
+
+def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1900, (rows, length), generator=generator)
+
+
+def test_hidden_states_match_transformers(release):
+    _, _, clef, _ = release
+    backbone = clef.language_model
+    engine = QwenEngine(backbone)
+    ids = _ids(1, 2, 41)
+    with torch.inference_mode():
+        reference = backbone.model.language_model(input_ids=ids, use_cache=False).last_hidden_state
+    ours = engine.hidden_states(ids)
+    error = (ours - reference).norm() / reference.norm()
+    assert error < 1e-4, f"relative error {error}"
+
+
+def test_right_padding_leaves_real_positions_unchanged(release):
+    engine = QwenEngine(release[2].language_model)
+    ids = _ids(2, 1, 29)
+    padded = torch.cat([ids, torch.zeros(1, 35, dtype=torch.long)], dim=1)
+    assert torch.allclose(engine.hidden_states(padded)[:, :29], engine.hidden_states(ids), atol=1e-5)
+
+
+def test_graphed_backbone_pads_to_bucket_on_request(release):
+    engine = QwenEngine(release[2].language_model)
+    backbone = GraphedBackbone(engine, buckets=(16, 64), pad_to_bucket=True)
+    assert backbone.bucket_for(17) == 64 and backbone.bucket_for(65) is None
+    ids = _ids(3, 1, 17)
+    out = backbone(ids)
+    assert out.shape == (1, 17, engine.dims.hidden)
+    assert torch.allclose(out, engine.hidden_states(ids), atol=1e-5)
+
+
+def _reference_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_generation_identical_to_transformers(release):
+    model = release[2].language_model
+    decoder = StaticGreedyDecoder(model, max_len=128)
+    ids = _ids(4, 2, 33)
+    prompts = [ids[0, :19].tolist(), ids[1].tolist(), ids[0, :3].tolist()]  # ragged batch, one prefill
+    fast = decoder.generate(prompts, 20)
+    assert [len(row) for row in fast] == [20, 20, 20]
+    for prompt, row in zip(prompts, fast):
+        assert row == _reference_greedy(model, prompt, 20)
+    # the same decoder (its static caches reused) gives the same answer again, alone or batched
+    assert decoder.generate([prompts[1]], 20) == [fast[1]]
+
+
+def test_stop_ids_cut_each_row_after_its_first_stop(release):
+    model = release[2].language_model
+    decoder = StaticGreedyDecoder(model, max_len=128)
+    prompt = _ids(5, 1, 12)[0].tolist()
+    full = decoder.generate([prompt], 24)[0]
+    stop = full[5]
+    first = full.index(stop)
+    cut = decoder.generate([prompt], 24, stop_ids=[stop], check_every=4)[0]
+    assert cut == full[: first + 1]
+
+
+def test_engine_sees_live_weight_edits(release):
+    """Patch.applied edits weights in place; the engine reads the live modules, so it follows."""
+    model = copy.deepcopy(release[2].language_model)
+    engine = QwenEngine(model)
+    ids = _ids(6, 1, 16)
+    before = engine.hidden_states(ids).clone()
+    weight = model.model.language_model.layers[3].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.add_(0.05 * torch.randn_like(weight))
+    with torch.inference_mode():
+        reference = model.model.language_model(input_ids=ids, use_cache=False).last_hidden_state
+    after = engine.hidden_states(ids)
+    assert not torch.allclose(after, before, atol=1e-4)
+    assert (after - reference).norm() / reference.norm() < 1e-4
+
+
+def _long_invoice(target_words: int = 220) -> dict:
+    notes = " ".join(f"line {i}: consulting hours billed at the agreed rate." for i in range(target_words // 8))
+    return {
+        "model": "clef-flash",
+        "state": {"invoice": {"vendor": "Acme", "total": 1250.0, "currency": "USD", "status": "overdue",
+                              "notes": notes}},
+        "questions": {
+            "status": {"type": "choice", "instructions": "What is the payment status of this invoice?",
+                       "criteria": {"paid": "The invoice has been paid.", "overdue": "Payment is late.",
+                                    "draft": "The invoice has not been sent."}},
+            "large": {"type": "noul", "instructions": "Is the invoice total above 1000 USD?"},
+            "risk": {"type": "score", "instructions": "How risky is this vendor?",
+                     "criteria": ["none", "low", "high"]},
+        },
+    }
+
+
+def _probabilities(answer: dict) -> list[float]:
+    values = []
+    for _, item in sorted(answer["answers"].items()):
+        values.extend(item.get("probabilities", {}).values())
+        values.extend(v for k, v in item.items() if k in ("noul", "score", "confidence"))
+    return values
+
+
+def test_fast_systemone_matches_release(release):
+    _, code, clef, processor = release
+    reference = lambda request: code.systemone(clef, processor, request)  # noqa: E731
+    fast = FastSystemOne(clef.language_model, clef.head, processor.tokenizer, code, reference,
+                         buckets=(128, 256, 512, 1024), pad_to_bucket=True)
+    request = _long_invoice()
+    want = reference(request)
+    got = fast(request)
+    assert got["usage"] == want["usage"] and got["model"] == want["model"]
+    assert set(got["answers"]) == set(want["answers"])
+    for qid in want["answers"]:
+        assert got["answers"][qid]["type"] == want["answers"][qid]["type"]
+        assert got["answers"][qid].get("choice") == want["answers"][qid].get("choice")
+    assert max(abs(a - b) for a, b in zip(_probabilities(got), _probabilities(want))) <= 1e-3
+    # requests the fast path does not handle go to the reference, so errors read as the release's
+    with pytest.raises(ValueError):
+        fast({"model": "clef-flash", "state": {}, "questions": {}})
+
+
+def test_unsupported_backbone_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    assert not is_supported(llama)
+    with pytest.raises(BlazeError, match="reference path"):
+        QwenEngine(llama)
+
+
+def test_too_long_generation_is_refused(release):
+    decoder = StaticGreedyDecoder(release[2].language_model, max_len=32)
+    with pytest.raises(BlazeError, match="max_len"):
+        decoder.generate([[5] * 30], 8)
