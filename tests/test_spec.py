@@ -184,3 +184,51 @@ def test_sycophancy_has_two_directions_and_preserve_set():
     spec = load_behavior("sycophancy")
     assert len(spec.directions) >= 2
     assert spec.preserve, "sycophancy needs genuine-agreement conversations as a preserved set"
+
+
+# -- the CLI: blaze behaviors ---------------------------------------------------------------------
+
+def test_cli_behaviors_lists_catalogue():
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    result = CliRunner().invoke(main, ["behaviors"])
+    assert result.exit_code == 0, result.output
+    for name in CATALOGUE:
+        spec = load_behavior(name)
+        line = next(l for l in result.output.splitlines() if l.startswith(name + " "))
+        assert str(spec.pair_counts()["train"]) in line.split() and spec.description[:30] in line
+
+
+def test_cli_behaviors_new_scaffolds_valid_spec_and_refuses_overwrite(tmp_path):
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["behaviors", "new", "politeness", "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "politeness.json"
+    spec = load_behavior(path)
+    assert spec.name == "politeness" and spec.pair_counts()["train"] >= 1
+    before = path.read_bytes()
+    again = runner.invoke(main, ["behaviors", "new", "politeness", "--dir", str(tmp_path)])
+    assert again.exit_code == 2 and "already exists" in again.output
+    assert path.read_bytes() == before
+    bad = runner.invoke(main, ["behaviors", "new", "Bad Name", "--dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "invalid behaviour name" in bad.output
+    shown = runner.invoke(main, ["behaviors", "show", str(path)])
+    assert shown.exit_code == 0 and spec.spec_hash in shown.output
+
+
+def test_cli_behaviors_show_reports_field_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    data = copy.deepcopy(TINY)
+    data["directions"][0]["pairs"]["train"][0]["wanted"] = ""
+    result = CliRunner().invoke(main, ["behaviors", "show", str(_write(tmp_path, data))])
+    assert result.exit_code == 2
+    assert "directions[0].pairs.train[0].wanted: missing or empty" in result.output

@@ -518,3 +518,27 @@ def _kind(value: Any) -> str:
         return "nothing"
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def scaffold_behavior(name: str, folder: Path) -> Path:
+    """Write ``folder/NAME.json``: the shipped template (``behaviors/_template.json``) renamed to NAME.
+
+    The result is a valid spec to edit. Refuses to overwrite an existing file.
+    """
+    if not NAME_PATTERN.match(name) or name.startswith("_"):
+        raise SpecError(f"invalid behaviour name {name!r}: use lowercase letters, digits, '-' and '_' "
+                        "(not starting with '_')")
+    folder = Path(folder)
+    target = folder / f"{name}.json"
+    if target.exists():
+        raise SpecError(f"{target} already exists: choose another name or folder (it is never overwritten)")
+    data = json.loads((behaviors_dir() / "_template.json").read_text(encoding="utf-8"))
+    data["name"] = name
+    parse_behavior(data, source=str(target))  # the scaffold must itself be valid
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(target, "x", encoding="utf-8") as handle:  # "x": never clobber a file created meanwhile
+            handle.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    except FileExistsError:
+        raise SpecError(f"{target} already exists: choose another name or folder") from None
+    return target
