@@ -15,6 +15,7 @@ are hashed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -62,20 +63,43 @@ def _read_manifest(release) -> dict[str, Any] | None:
         raise BlazeError(f"{path} is not valid JSON ({error.msg}); re-create the variant with blaze edit")
 
 
-def _manifest_base_mismatch(manifest: dict[str, Any] | None, base) -> str | None:
-    """A reason the manifest names another base than `base`, or None when it agrees or says nothing."""
+def _base_identity(manifest: dict[str, Any] | None) -> dict[str, Any]:
     if not manifest:
+        return {}
+    for key in ("base", "base_identity"):
+        value = manifest.get(key)
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def _manifest_base_mismatch(manifest: dict[str, Any] | None, base) -> str | None:
+    """A reason the manifest names another base than `base`, or None when it agrees or says nothing.
+
+    Uses what `surgery.patch.base_identity` records: the checkpoint index hash (when the base has an index)
+    and the SHA-256 of each edited tensor's stored bytes in the base.
+    """
+    identity = _base_identity(manifest)
+    if not identity:
         return None
-    identity = manifest.get("base") or manifest.get("base_identity") or {}
-    if not isinstance(identity, dict):
-        return None
-    from clef_model.checkpoint import sha256_file
+    from clef_model.checkpoint import CheckpointReader, sha256_file
 
     index_hash = identity.get("index_sha256")
     index_path = Path(base.path) / "model.safetensors.index.json"
-    if index_hash and index_path.is_file() and sha256_file(index_path) != index_hash:
+    if index_hash and identity.get("index_file", "model.safetensors.index.json") == index_path.name \
+            and index_path.is_file() and sha256_file(index_path) != index_hash:
         return (f"the variant's manifest records base index sha256 {index_hash[:12]}…, but {base.ref} has "
                 f"{sha256_file(index_path)[:12]}…")
+    reader = CheckpointReader(Path(base.path))
+    for name, digest in (identity.get("tensor_sha256") or {}).items():
+        full = name if name in reader else f"{name}.weight"
+        if full not in reader:
+            return f"the manifest's base has tensor {full}, which {base.ref} lacks"
+        h = hashlib.sha256()
+        for chunk in reader.iter_raw(full):
+            h.update(chunk)
+        if h.hexdigest() != digest:
+            return f"{full} in {base.ref} is not the tensor the variant was made from (SHA-256 differs)"
     return None
 
 
