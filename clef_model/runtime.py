@@ -1,0 +1,378 @@
+"""One loaded release, two faces: typed decisions (`systemone`) and free-form chat (`generate`).
+
+A Clef release is loaded once through its own code (`load_release_model`), so decisions come from
+Cloudflare's head and encoding, not a re-implementation: `systemone` returns exactly the release's
+response body. The same backbone object (a `Qwen3_5ForConditionalGeneration`) serves `generate`, with
+the KV cache switched back on (the release loader turns it off), and gives surgery direct access to its
+decoder layers and linear modules, keyed by their on-disk tensor names. Plain Hugging Face causal LMs
+(Llama, Qwen2, Qwen3, Qwen3.5 text) load through the same resolver and offer everything but decisions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from clef_model.errors import BlazeError, ReleaseError
+from clef_model.release import Release, resolve_release
+from clef_model.trust import load_release_code
+
+Prompt = str | list[dict]
+
+
+@dataclass
+class Generation:
+    """One generated answer: its text (special tokens removed) and token counts."""
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int  # generated tokens, not counting the stop token
+    token_ids: list[int]  # the generated ids, without the stop token
+    hit_limit: bool  # stopped because max_new_tokens was reached, not at a stop token
+
+
+def default_device() -> torch.device:
+    """cuda when available, else cpu."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA, float32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def validate_request(request: Any) -> None:
+    """The checks the release's `systemone` makes, with its messages (ValueError), before any encoding."""
+    if not isinstance(request, dict):
+        raise ValueError("request must be a JSON object")
+    questions = request.get("questions")
+    if not isinstance(request.get("model"), str) or "state" not in request:
+        raise ValueError("model and state are required")
+    if not isinstance(questions, dict) or not questions:
+        raise ValueError("at least one question is required")
+    for question_id, question in questions.items():
+        if not isinstance(question, dict) or question.get("type") not in ("noul", "choice", "score"):
+            raise ValueError(f"{question_id}: type must be noul, choice, or score")
+        if question["type"] != "noul" and not question.get("criteria"):
+            raise ValueError(f"{question_id}: criteria must not be empty")
+
+
+class Runtime:
+    """A release loaded once: `systemone`, `generate`, and module access for surgery."""
+
+    def __init__(
+        self,
+        release: Release,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        processor: Any | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        clef: torch.nn.Module | None = None,
+        release_code: ModuleType | None = None,
+    ):
+        self.release = release
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.device = device
+        self.dtype = dtype
+        self.clef = clef
+        self.release_code = release_code
+        self.is_clef = clef is not None
+        self._chat_template = self._read_chat_template()
+        self._named_linears: dict[str, torch.nn.Linear] | None = None
+
+    # -- loading ---------------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        ref: str | Release,
+        *,
+        revision: str | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        trust_release_code: bool = False,
+    ) -> "Runtime":
+        """Resolve, validate and load a release once (Clef through its own code, else AutoModelForCausalLM)."""
+        release = ref if isinstance(ref, Release) else resolve_release(ref, revision)
+        device = torch.device(device) if device is not None else default_device()
+        dtype = dtype or default_dtype(device)
+        if release.kind == "clef":
+            code = load_release_code(release, trust_release_code)
+            try:
+                clef, processor = code.load_release_model(release.path, device=str(device), dtype=dtype)
+            except (OSError, ValueError, RuntimeError, KeyError) as error:
+                raise ReleaseError(f"the release at {release.path} failed to load: {error}") from error
+            backbone = clef.language_model
+            _enable_cache(backbone)
+            return cls(release, backbone, processor.tokenizer, processor, device, dtype, clef, code)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(release.path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(release.path)
+        except (OSError, ValueError, RuntimeError, KeyError) as error:
+            raise ReleaseError(f"the model at {release.path} failed to load: {error}") from error
+        model = model.to(device).eval()
+        _enable_cache(model)
+        return cls(release, model, tokenizer, None, device, dtype)
+
+    def _read_chat_template(self) -> str | None:
+        path = self.release.path / "chat_template.jinja"
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        return getattr(self.tokenizer, "chat_template", None)
+
+    # -- typed decisions ------------------------------------------------------------------------------
+    def _require_clef(self) -> ModuleType:
+        if not self.is_clef:
+            raise BlazeError(
+                f"{self.release.ref} is a plain causal LM ({self.release.architecture}) without a joint head; "
+                "typed decisions (systemone) need a Clef release such as Cloudflare/clef-flash."
+            )
+        return self.release_code
+
+    def encode_requests(self, requests: list[dict], max_length: int = 16384) -> list[Any]:
+        """Encode SystemOne requests with the release's own `encode_record` (validated like the release)."""
+        code = self._require_clef()
+        encoded = []
+        for request in requests:
+            validate_request(request)
+            encoded.append(
+                code.encode_record(self.tokenizer, request, max_length=max_length, processor=self.processor)
+            )
+        return encoded
+
+    @torch.inference_mode()
+    def _option_probabilities(
+        self, requests: list[dict], batch_size: int, max_length: int
+    ) -> tuple[list[Any], list[dict[str, dict[str, float]]]]:
+        """Encode, batch (right padding, similar lengths together) and run the head; unrounded probabilities."""
+        code = self._require_clef()
+        if batch_size < 1:
+            raise BlazeError(f"batch size must be at least 1 (got {batch_size}).")
+        encoded = self.encode_requests(requests, max_length)
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+        results: list[dict[str, dict[str, float]] | None] = [None] * len(encoded)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = code.collate_records([encoded[i] for i in chunk], self.tokenizer.pad_token_id, self.device)
+            logits = self.clef(batch)
+            for i, record_logits in zip(chunk, logits):
+                results[i] = {
+                    question.question_id: dict(
+                        zip(question.option_ids, question_logits.float().softmax(-1).tolist())
+                    )
+                    for question, question_logits in zip(encoded[i].questions, record_logits)
+                }
+        return encoded, results  # type: ignore[return-value]
+
+    def decision_probabilities(
+        self, requests: list[dict], batch_size: int = 8, max_length: int = 16384
+    ) -> list[dict[str, dict[str, float]]]:
+        """Unrounded probabilities per request: question id -> option id -> probability."""
+        return self._option_probabilities(requests, batch_size, max_length)[1]
+
+    def systemone_batch(self, requests: list[dict], batch_size: int = 8, max_length: int = 16384) -> list[dict]:
+        """SystemOne response bodies for several requests, `batch_size` per forward pass."""
+        code = self._require_clef()
+        encoded, probabilities = self._option_probabilities(requests, batch_size, max_length)
+        responses = []
+        for request, record, record_probabilities in zip(requests, encoded, probabilities):
+            answers = {
+                question.question_id: code.systemone_answer(
+                    request["questions"][question.question_id], record_probabilities[question.question_id]
+                )
+                for question in record.questions
+            }
+            responses.append(
+                {
+                    "model": request["model"],
+                    "answers": answers,
+                    "usage": {"input_tokens": len(record.input_ids), "output_tokens": 0},
+                }
+            )
+        return responses
+
+    def systemone(self, request: dict, max_length: int = 16384) -> dict:
+        """The release's SystemOne response body for one request (same dict as its `systemone`)."""
+        return self.systemone_batch([request], batch_size=1, max_length=max_length)[0]
+
+    # -- free-form generation -------------------------------------------------------------------------
+    def _messages(self, prompt: Prompt, system: str | None) -> list[dict]:
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+            messages = [dict(m) for m in prompt]
+        else:
+            raise BlazeError("a prompt must be a string or a list of {'role', 'content'} messages.")
+        if system is not None and (not messages or messages[0]["role"] != "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        return messages
+
+    def chat_text(self, prompt: Prompt, system: str | None = None) -> str:
+        """The prompt rendered by the release's chat template (generation prompt, thinking off)."""
+        if not self._chat_template:
+            raise ReleaseError(f"{self.release.ref} has no chat template; free-form generation needs one.")
+        return self.tokenizer.apply_chat_template(
+            self._messages(prompt, system),
+            chat_template=self._chat_template,
+            add_generation_prompt=True,
+            enable_thinking=False,
+            tokenize=False,
+        )
+
+    def chat_ids(self, prompt: Prompt, system: str | None = None) -> list[int]:
+        """Token ids of the prompt through the release's chat template, add_generation_prompt, thinking off."""
+        return list(self.tokenizer(self.chat_text(prompt, system), add_special_tokens=False).input_ids)
+
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end an answer: the generation config's eos ids and the tokenizer's eos."""
+        ids: list[int] = []
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for value in configured if isinstance(configured, list) else [configured]:
+            if value is not None and value not in ids:
+                ids.append(int(value))
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def _pad_id(self) -> int:
+        for value in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if value is not None:
+                return int(value)
+        return 0
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[Prompt],
+        *,
+        max_new_tokens: int = 128,
+        batch_size: int = 8,
+        system: str | None = None,
+    ) -> list[Generation]:
+        """Greedy chat answers, `batch_size` prompts per call (left padding, KV cache on); deterministic."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if max_new_tokens < 1 or batch_size < 1:
+            raise BlazeError("max_new_tokens and batch_size must be at least 1.")
+        encoded = [self.chat_ids(prompt, system) for prompt in prompts]
+        stops = self.stop_token_ids()
+        pad = self._pad_id()
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        results: list[Generation | None] = [None] * len(encoded)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            width = max(len(encoded[i]) for i in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids = encoded[i]
+                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, width - len(ids) :] = 1
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                use_cache=True,
+                eos_token_id=stops,
+                pad_token_id=pad,
+            )
+            for row, i in enumerate(chunk):
+                new = output[row, width:].tolist()
+                stop_at = next((k for k, token in enumerate(new) if token in stops), None)
+                kept = new if stop_at is None else new[:stop_at]
+                results[i] = Generation(
+                    text=self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
+                    prompt_tokens=len(encoded[i]),
+                    new_tokens=len(kept),
+                    token_ids=kept,
+                    hit_limit=stop_at is None and len(new) >= max_new_tokens,
+                )
+        return results  # type: ignore[return-value]
+
+    # -- module access for surgery --------------------------------------------------------------------
+    def text_model(self) -> torch.nn.Module:
+        """The decoder stack (embeddings, layers, final norm): forward(input_ids, attention_mask) -> hidden states."""
+        inner = self.model.model
+        return getattr(inner, "language_model", inner)
+
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        """The backbone's decoder layers, in order."""
+        return list(self.text_model().layers)
+
+    def lm_head(self) -> torch.nn.Linear:
+        """The output projection (its rows are also what the joint head reads for option tokens)."""
+        return self.model.get_output_embeddings()
+
+    def named_linears(self) -> dict[str, torch.nn.Linear]:
+        """Linear modules keyed by their on-disk weight name without `.weight` (checked against the checkpoint)."""
+        if self._named_linears is None:
+            on_disk = set(self.release.weight_map())
+            found: dict[str, torch.nn.Linear] = {}
+            unmatched = []
+            for name, module in self.model.named_modules():
+                if not isinstance(module, torch.nn.Linear):
+                    continue
+                disk_name = _disk_name(name, on_disk)
+                if disk_name is None:
+                    if module.weight is not self.model.get_input_embeddings().weight:
+                        unmatched.append(name)
+                    continue
+                found[disk_name] = module
+            if unmatched:
+                raise ReleaseError(
+                    f"{len(unmatched)} linear module(s) of {self.release.ref} have no tensor on disk "
+                    f"(first: {unmatched[0]}); the checkpoint does not match its config."
+                )
+            self._named_linears = found
+        return dict(self._named_linears)
+
+    def describe(self) -> dict:
+        """A short JSON-able summary (for logs and reports)."""
+        return {
+            "ref": self.release.ref,
+            "path": str(self.release.path),
+            "revision": self.release.revision,
+            "kind": self.release.kind,
+            "architecture": self.release.architecture,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "decoder_layers": len(self.decoder_layers()),
+        }
+
+    def __repr__(self) -> str:
+        return f"Runtime({json.dumps(self.describe())})"
+
+
+def _disk_name(module_name: str, on_disk: set[str]) -> str | None:
+    """Map a live module name to its on-disk tensor name (without `.weight`), or None if not stored."""
+    candidates = [module_name]
+    if module_name.startswith("model.") and not module_name.startswith("model.language_model."):
+        candidates.append("model.language_model." + module_name[len("model.") :])
+    if module_name.startswith("model.language_model."):
+        candidates.append("model." + module_name[len("model.language_model.") :])
+    for candidate in candidates:
+        if candidate + ".weight" in on_disk:
+            return candidate
+    return None
+
+
+def _enable_cache(model: torch.nn.Module) -> None:
+    """Switch the KV cache back on for generation (the release loader turns it off for the head)."""
+    model.config.use_cache = True
+    text_config = getattr(model.config, "text_config", None)
+    if text_config is not None:
+        text_config.use_cache = True
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = True

@@ -1,0 +1,208 @@
+"""Runtime: systemone equals the release's own, batching agrees, generate is deterministic, module access."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from clef_model.errors import BlazeError
+from clef_model.runtime import Generation, Runtime
+from clef_model.trust import import_release_code_file
+
+INVOICE = {
+    "model": "clef-flash",
+    "state": {"invoice": "INV-2041", "issued": "3 March", "due": "2 April", "amount": 1250.0, "paid": 0},
+    "questions": {
+        "overdue": {"type": "noul", "instructions": "Is the invoice overdue?"},
+        "status": {
+            "type": "choice",
+            "instructions": "Status of the invoice",
+            "criteria": {"paid": "fully paid", "overdue": "past due", "disputed": "in dispute", "pending": "not due"},
+        },
+        "urgency": {"type": "score", "instructions": "How urgent is a reminder?", "criteria": ["low", "medium", "high"]},
+        "plan": {"type": "noul", "instructions": "Did the customer ask for a payment plan?", "criteria": None},
+    },
+}
+TICKET = {
+    "model": "clef-flash",
+    "state": "Support ticket 88231: My password reset email never arrives. I checked the spam folder twice.",
+    "questions": {
+        "sentiment": {
+            "type": "score",
+            "instructions": "Rate the sentiment",
+            "criteria": ["very negative", "negative", "neutral", "positive", "very positive"],
+        },
+        "category": {
+            "type": "choice",
+            "instructions": "",
+            "criteria": {"account": "account access", "bug": "bug report", "billing": "billing question"},
+        },
+    },
+}
+SHORT = {"model": "m", "state": {"x": 1}, "questions": {"q": {"type": "noul", "instructions": "Is x one?"}}}
+
+
+def image_request() -> dict:
+    image = Image.new("RGB", (80, 48))
+    image.putdata([((x * 7) % 256, (y * 11) % 256, (x * y) % 256) for y in range(48) for x in range(80)])
+    return {
+        "model": "clef-flash",
+        "state": {"note": "photo of the delivered parcel"},
+        "images": [image],
+        "questions": {
+            "damaged": {"type": "noul", "instructions": "Is the parcel damaged?"},
+            "colour": {"type": "choice", "instructions": "Main colour", "criteria": {"red": "red", "blue": "blue"}},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_release: Path):
+    """The release's own code and model, loaded independently of blaze's Runtime."""
+    module = import_release_code_file(tiny_release / "joint_schema_model.py")
+    model, processor = module.load_release_model(tiny_release, device="cpu", dtype=torch.float32)
+    return module, model, processor
+
+
+@pytest.mark.parametrize("request_body", [INVOICE, TICKET, SHORT], ids=["invoice", "ticket", "short"])
+def test_systemone_equals_release(tiny_runtime: Runtime, reference, request_body: dict) -> None:
+    module, model, processor = reference
+    expected = module.systemone(model, processor, request_body)
+    assert tiny_runtime.systemone(request_body) == expected
+    types = {answer["type"] for answer in expected["answers"].values()}
+    assert types <= {"noul", "choice", "score"}
+
+
+def test_all_three_types_answered(tiny_runtime: Runtime) -> None:
+    answers = tiny_runtime.systemone(INVOICE)["answers"]
+    assert [answers[q]["type"] for q in ("overdue", "status", "urgency", "plan")] == ["noul", "choice", "score", "noul"]
+    assert set(answers["status"]["probabilities"]) == {"paid", "overdue", "disputed", "pending"}
+
+
+def test_image_request_equals_release(tiny_runtime: Runtime, reference) -> None:
+    module, model, processor = reference
+    request = image_request()
+    expected = module.systemone(model, processor, request)
+    got = tiny_runtime.systemone(request)
+    assert got == expected
+    text_only = {k: v for k, v in request.items() if k != "images"}
+    assert got["usage"]["input_tokens"] > tiny_runtime.systemone(text_only)["usage"]["input_tokens"]
+
+
+def test_batch_of_mixed_requests_matches_unbatched(tiny_runtime: Runtime, reference) -> None:
+    module, model, processor = reference
+    requests = [INVOICE, image_request(), TICKET, SHORT, INVOICE]
+    batched = tiny_runtime.systemone_batch(requests, batch_size=8)
+    for request, response in zip(requests, batched):
+        expected = module.systemone(model, processor, request)
+        assert response["usage"] == expected["usage"]
+        assert response["answers"].keys() == expected["answers"].keys()
+        for question_id, answer in expected["answers"].items():
+            got = response["answers"][question_id]
+            assert got["type"] == answer["type"]
+            for key in ("noul", "score", "confidence"):
+                if key in answer:
+                    assert got[key] == pytest.approx(answer[key], abs=1e-3)
+            for option, p in (answer.get("probabilities") or {}).items():
+                assert got["probabilities"][option] == pytest.approx(p, abs=1e-3)
+    unrounded = tiny_runtime.decision_probabilities(requests, batch_size=2)
+    single = [tiny_runtime.decision_probabilities([r], batch_size=1)[0] for r in requests]
+    for a, b in zip(unrounded, single):
+        for question_id in a:
+            for option in a[question_id]:
+                assert a[question_id][option] == pytest.approx(b[question_id][option], abs=1e-3)
+        assert sum(a[next(iter(a))].values()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_invalid_requests_raise_release_errors(tiny_runtime: Runtime) -> None:
+    with pytest.raises(ValueError, match="model and state are required"):
+        tiny_runtime.systemone({"state": 1, "questions": {"q": {"type": "noul"}}})
+    with pytest.raises(ValueError, match="at least one question"):
+        tiny_runtime.systemone({"model": "m", "state": 1, "questions": {}})
+    with pytest.raises(ValueError, match="type must be"):
+        tiny_runtime.systemone({"model": "m", "state": 1, "questions": {"q": {"type": "rank"}}})
+    with pytest.raises(ValueError, match="criteria must not be empty"):
+        tiny_runtime.systemone({"model": "m", "state": 1, "questions": {"q": {"type": "choice", "criteria": {}}}})
+
+
+def test_generate_is_deterministic_batched_and_varied(tiny_runtime: Runtime) -> None:
+    prompts = ["What is the speed of light?", "Name three colours.", [{"role": "user", "content": "Hi"}]]
+    first = tiny_runtime.generate(prompts, max_new_tokens=12, batch_size=3)
+    second = tiny_runtime.generate(prompts, max_new_tokens=12, batch_size=1)
+    assert [g.token_ids for g in first] == [g.token_ids for g in second]
+    assert [g.text for g in first] == [g.text for g in second]
+    for generation in first:
+        assert isinstance(generation, Generation)
+        assert generation.new_tokens == len(generation.token_ids)
+        assert generation.hit_limit == (generation.new_tokens == 12)
+        assert len(set(generation.token_ids)) > 3  # random weights still give varied tokens
+    assert first[0].prompt_tokens == len(tiny_runtime.chat_ids(prompts[0]))
+
+
+def test_chat_ids_use_release_template_without_thinking(tiny_runtime: Runtime) -> None:
+    text = tiny_runtime.tokenizer.decode(tiny_runtime.chat_ids("Hello", system="Be brief."))
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_generate_cache_on_matches_cache_off(tiny_runtime: Runtime) -> None:
+    ids = torch.tensor([tiny_runtime.chat_ids("Explain rain.")])
+    cached = tiny_runtime.model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+    uncached = tiny_runtime.model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert tiny_runtime.model.config.use_cache is True
+    assert cached.tolist() == uncached.tolist()
+
+
+def test_module_access_uses_on_disk_names(tiny_runtime: Runtime) -> None:
+    on_disk = tiny_runtime.release.weight_map()
+    linears = tiny_runtime.named_linears()
+    assert all(name + ".weight" in on_disk for name in linears)
+    assert "model.language_model.layers.3.mlp.down_proj" in linears
+    assert "model.language_model.layers.0.linear_attn.out_proj" in linears
+    assert "model.language_model.layers.3.self_attn.o_proj" in linears
+    assert linears["lm_head"] is tiny_runtime.lm_head()
+    layers = tiny_runtime.decoder_layers()
+    assert len(layers) == 8
+    assert layers[3].mlp.down_proj is linears["model.language_model.layers.3.mlp.down_proj"]
+    # the decision head reads the same backbone: editing a linear changes decisions, restoring restores
+    before = tiny_runtime.decision_probabilities([SHORT])[0]
+    weight = tiny_runtime.lm_head().weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.mul_(3.0)
+    try:
+        changed = tiny_runtime.decision_probabilities([SHORT])[0]
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert changed["q"]["true"] != pytest.approx(before["q"]["true"], abs=1e-6)
+    assert tiny_runtime.decision_probabilities([SHORT])[0] == before
+
+
+def test_text_model_returns_hidden_states(tiny_runtime: Runtime) -> None:
+    ids = torch.tensor([tiny_runtime.chat_ids("Hello")])
+    out = tiny_runtime.text_model()(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert out.last_hidden_state.shape == (1, ids.shape[1], 64)
+
+
+def test_plain_causal_lm_refuses_systemone(tmp_path: Path, tiny_release: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_release)
+    config = LlamaConfig(
+        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    runtime = Runtime.load(str(tmp_path / "llama"), device="cpu")
+    assert not runtime.is_clef and runtime.release.architecture == "llama"
+    with pytest.raises(BlazeError, match="plain causal LM"):
+        runtime.systemone(SHORT)
+    generations = runtime.generate(["Hello"], max_new_tokens=4)
+    assert generations[0].new_tokens <= 4
+    assert "model.layers.1.mlp.down_proj" in runtime.named_linears()
