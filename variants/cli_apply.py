@@ -1,7 +1,108 @@
-"""CLI commands (placeholder until implemented)."""
+"""`blaze apply`: re-apply a saved patch to a base by streaming — no GPU, no model run."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
 
 import click
 
+from clef_model.errors import BlazeError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as `5GB`, `500MB`, `2GiB` or `123456` (decimal units, binary with `i`)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or a number of bytes.")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise click.BadParameter("the shard size must be positive.")
+    return value
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1000
+    return f"{nbytes:.1f} TB"
+
 
 def register(group: click.Group) -> None:
-    """Add this module's commands to the blaze group."""
+    """Add `apply` to the blaze group."""
+
+    @group.command("apply")
+    @click.argument("patch", type=click.Path(path_type=Path))
+    @click.option("--base", default=None,
+                  help="Base release the patch applies to: a folder, a Hub id, or `smollm2`. "
+                       "Default: the base recorded in the patch, else Cloudflare/clef-flash.")
+    @click.option("--revision", default=None, help="Hub revision of the base (branch, tag or commit).")
+    @click.option("--out", "-o", required=True, type=click.Path(path_type=Path),
+                  help="Output folder for the variant. Refused if not empty, unless --force.")
+    @click.option("--force", is_flag=True,
+                  help="Overwrite a non-empty --out, and apply even when the base differs from the one recorded "
+                       "in the patch.")
+    @click.option("--max-shard-size", default="5GB", show_default=True, callback=lambda c, p, v: parse_size(v),
+                  help="Largest weight shard of the output (e.g. 5GB, 500MB, 2GiB).")
+    @click.option("--export-lora", type=click.Path(path_type=Path), default=None,
+                  help="Also write a PEFT LoRA adapter equal to the edit into this folder.")
+    def apply(patch: Path, base: str | None, revision: str | None, out: Path, force: bool,
+              max_shard_size: int, export_lora: Path | None) -> None:
+        """Apply PATCH (a blaze_delta.safetensors, or a variant folder holding one) to a base release.
+
+        \b
+        Streams the base checkpoint to OUT: untouched tensors are copied bit-identically, edited ones get
+        W + U Vᵀ (fp32 math, cast back to the stored dtype); every other file is copied byte-for-byte and a
+        manifest with SHA-256 hashes is written. The base is checked against the identity recorded in the
+        patch (index hash and the edited tensors' hashes); a mismatch is refused unless --force.
+        """
+        from clef_model.checkpoint import sha256_file
+        from clef_model.release import DEFAULT_BASE, resolve_release
+        from surgery.manifest import read_manifest
+        from surgery.patch import PATCH_FILE, Patch, identity_mismatches
+        from surgery.write import write_variant
+
+        started = time.perf_counter()
+        patch_file = patch / PATCH_FILE if patch.is_dir() else patch
+        loaded = Patch.load(patch_file)
+        recorded = loaded.base_identity or {}
+        ref = base or recorded.get("ref") or DEFAULT_BASE
+        release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
+        if not recorded:
+            click.echo("warning: the patch records no base identity; it cannot be checked against "
+                       f"{release.ref}. Applying anyway.", err=True)
+        else:
+            problems = identity_mismatches(loaded, release)
+            if problems and not force:
+                raise BlazeError(
+                    f"{release.ref} is not the base this patch was made from ({'; '.join(problems[:3])}). "
+                    "Pass the right --base, or --force to apply anyway."
+                )
+            if problems:
+                click.echo(f"warning: applying to a different base than recorded ({'; '.join(problems[:3])}).",
+                           err=True)
+        extra = {"command": "apply", "patch_sha256": sha256_file(patch_file), **{
+            k: v for k, v in loaded.metadata.items() if k in ("behavior", "behavior_spec_sha256", "method")}}
+        write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra)
+        if export_lora is not None:
+            from surgery.lora import export_lora as write_lora
+
+            write_lora(loaded, release, export_lora, force=force)
+
+        manifest = read_manifest(out)
+        matrices = manifest["matrices"]
+        ranks = sorted({m["numerical_rank"] for m in matrices.values()})
+        changes = [m["relative_change"] for m in matrices.values() if m["relative_change"] is not None]
+        shards = sum(1 for name in manifest["output"]["files"] if name.endswith(".safetensors")
+                     and name.startswith("model"))
+        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        click.echo(f"wrote {out}: {len(matrices)} matrices edited (rank {', '.join(map(str, ranks)) or '-'}, "
+                   f"‖ΔW‖/‖W‖ up to {max(changes, default=0.0):.4f}), {shards} shards, {_human(size)}, "
+                   f"{time.perf_counter() - started:.1f} s")
+        if export_lora is not None:
+            click.echo(f"wrote LoRA adapter {export_lora}")

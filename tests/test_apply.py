@@ -1,0 +1,258 @@
+"""surgery.write.write_variant and `blaze apply`: a drop-in, deterministic, streaming variant; bad input fails clean."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from clef_model.checkpoint import INDEX_NAME, CheckpointReader, sha256_file
+from clef_model.errors import BlazeError, ReleaseError
+from clef_model.release import resolve_release
+from surgery import write as write_module
+from surgery.manifest import MANIFEST_FILE, read_manifest, verify_manifest
+from surgery.patch import PATCH_FILE, Patch, base_identity
+from surgery.write import write_variant
+from variants.cli import main
+
+K = 2
+LAYERS = (1, 2, 3)
+
+
+def _targets(reader: CheckpointReader) -> list[str]:
+    suffixes = ("mlp.down_proj.weight", "self_attn.o_proj.weight", "linear_attn.out_proj.weight")
+    names = []
+    for layer in LAYERS:
+        prefix = f"model.language_model.layers.{layer}."
+        names += [n[: -len(".weight")] for n in reader.names() if n.startswith(prefix) and n.endswith(suffixes)]
+    return sorted(names)
+
+
+def _patch(release, strength: float = 0.05, record_base: bool = True) -> Patch:
+    """Random rank-K deltas on the residual writers of LAYERS, ‖ΔW‖ ≈ strength·‖W‖."""
+    reader = CheckpointReader(release.path)
+    gen = torch.Generator().manual_seed(1)
+    factors = {}
+    for name in _targets(reader):
+        weight = reader.tensor(f"{name}.weight").float()
+        u = torch.randn(weight.shape[0], K, generator=gen)
+        v = torch.randn(weight.shape[1], K, generator=gen)
+        scale = strength * float(weight.norm()) / float((u @ v.T).norm())
+        factors[name] = (u * scale, v)
+    identity = base_identity(release, list(factors)) if record_base else None
+    return Patch(factors, identity, {"method": "random-test", "k": K})
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _siblings(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir())
+
+
+@pytest.fixture(scope="module")
+def base(tiny_release):
+    return resolve_release(tiny_release)
+
+
+@pytest.fixture(scope="module")
+def variant(base, tmp_path_factory):
+    before = _hashes(base.path)
+    out = tmp_path_factory.mktemp("variant") / "v"
+    patch = _patch(base)
+    write_variant(base, patch, out, manifest_extra={"behavior_spec_sha256": "abc", "alpha": 0.05}, progress=False)
+    assert _hashes(base.path) == before, "the base was modified"
+    return out, patch
+
+
+def test_side_files_and_untargeted_tensors_are_identical(base, variant):
+    out, patch = variant
+    for name in base.side_files():
+        assert (out / name).read_bytes() == (base.path / name).read_bytes(), name
+    assert (out / "joint_head.safetensors").read_bytes() == (base.path / "joint_head.safetensors").read_bytes()
+    old, new = CheckpointReader(base.path), CheckpointReader(out)
+    assert set(new.names()) == set(old.names())  # nothing dropped: mtp.* and model.visual.* kept
+    assert any(n.startswith("mtp.") for n in new.names()) and any(n.startswith("model.visual.") for n in new.names())
+    edited = {f"{n}.weight" for n in patch.names()}
+    assert len(edited) == 2 * len(LAYERS)  # one attention writer (out_proj or o_proj) + down_proj per layer
+    for name in old.names():
+        assert new.dtype(name) == old.dtype(name) and new.shape(name) == old.shape(name)
+        if name not in edited:
+            assert new.raw_bytes(name) == old.raw_bytes(name), name
+        else:
+            assert new.raw_bytes(name) != old.raw_bytes(name), name
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_edited_tensors_carry_the_low_rank_delta(base, variant):
+    out, patch = variant
+    old, new = CheckpointReader(base.path), CheckpointReader(out)
+    for name in patch.names():
+        w_old = old.tensor(f"{name}.weight").float()
+        w_new = new.tensor(f"{name}.weight")
+        realized = w_new.float() - w_old
+        # bf16 rounding bound of the result, per entry half an ulp; its Frobenius norm bounds the noise
+        exponent = torch.frexp(w_new.float()).exponent.float()
+        half_ulp = torch.exp2(exponent - 9)
+        noise = float(half_ulp.norm()) * 1.01 + 1e-6
+        assert float((realized - patch.delta(name)).norm()) <= noise
+        values = torch.linalg.svdvals(realized.double())
+        assert int((values > noise).sum()) <= K, name  # numerical rank ≤ k above rounding level
+        assert float(values[0]) > 10 * noise
+
+
+def test_manifest_records_inputs_outputs_and_matrices(base, variant):
+    out, patch = variant
+    manifest = read_manifest(out)
+    assert verify_manifest(out) == []
+    assert manifest["edit"] == {"behavior_spec_sha256": "abc", "alpha": 0.05}
+    assert manifest["patch"]["metadata"] == patch.metadata
+    assert manifest["base"]["files"] == {n: h for n, h in _hashes(base.path).items()}
+    assert manifest["base"]["tensor_sha256"] == patch.base_identity["tensor_sha256"]
+    assert manifest["base"]["index_sha256"] == patch.base_identity["index_sha256"]
+    assert set(manifest["output"]["files"]) == set(_hashes(out)) - {MANIFEST_FILE}
+    assert manifest["versions"]["torch"] == torch.__version__.split("+")[0]
+    assert manifest["edited_tensors"] == [f"{n}.weight" for n in patch.names()]
+    for name, facts in manifest["matrices"].items():
+        assert facts["k"] == K and facts["numerical_rank"] <= K
+        assert facts["relative_change"] == pytest.approx(0.05, rel=1e-3)
+        assert facts["realized_relative_change"] == pytest.approx(0.05, rel=0.05)
+    assert Patch.load(out).names() == patch.names()
+
+
+def test_variant_loads_with_the_release_loader(base, variant):
+    from clef_model.trust import import_release_code_file, vendored_release_code
+
+    out, patch = variant
+    release_code = import_release_code_file(vendored_release_code())
+    model, processor = release_code.load_release_model(out, device="cpu", dtype=torch.float32)
+    params = dict(model.backbone.named_parameters()) if hasattr(model, "backbone") else dict(model.named_parameters())
+    reader = CheckpointReader(out)
+    name = patch.names()[0]
+    loaded = next(p for n, p in params.items() if n.endswith(name.split("model.", 1)[1] + ".weight"))
+    assert torch.equal(loaded.detach(), reader.tensor(f"{name}.weight").float())
+    assert processor is not None
+
+
+def test_two_runs_and_apply_give_identical_folders(base, variant, tmp_path):
+    out, patch = variant
+    again = write_variant(base, Patch.load(out), tmp_path / "again", progress=False,
+                          manifest_extra={"behavior_spec_sha256": "abc", "alpha": 0.05})
+    assert _hashes(again) == _hashes(out)
+
+    result = CliRunner().invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(base.path),
+                                       "--out", str(tmp_path / "applied")])
+    assert result.exit_code == 0, result.output
+    applied, original = _hashes(tmp_path / "applied"), _hashes(out)
+    assert {n: h for n, h in applied.items() if n != MANIFEST_FILE} == \
+        {n: h for n, h in original.items() if n != MANIFEST_FILE}
+    assert f"{len(patch.names())} matrices edited" in result.output
+
+
+def test_small_shard_budget_splits_and_keeps_every_tensor(base, variant, tmp_path):
+    out, patch = variant
+    small = write_variant(base, patch, tmp_path / "small", max_shard_bytes=100_000, progress=False)
+    index = json.loads((small / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > len(set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values()))
+    a, b = CheckpointReader(out), CheckpointReader(small)
+    assert all(a.raw_bytes(n) == b.raw_bytes(n) for n in a.names())
+    assert index["metadata"]["total_size"] == a.total_bytes()
+
+
+# -- bad input: clear error, no partial output, base untouched ---------------------------------------------
+
+
+def test_patch_that_does_not_fit_is_refused_before_writing(base, tmp_path):
+    name = "model.language_model.layers.1.mlp.down_proj"
+    wrong_shape = Patch({name: (torch.ones(5, 1), torch.ones(7, 1))})
+    missing = Patch({"model.language_model.layers.99.mlp.down_proj": (torch.ones(4, 1), torch.ones(4, 1))})
+    for patch, match in ((wrong_shape, "U·Vᵀ is"), (missing, "not in the base")):
+        with pytest.raises(BlazeError, match=match):
+            write_variant(base, patch, tmp_path / "out", progress=False)
+        assert _siblings(tmp_path / "out") == []
+
+
+def test_corrupt_shard_is_a_clear_error(base, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(base.path, broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    release = dataclasses.replace(base, path=broken, ref=str(broken))
+    before = _hashes(broken)
+    with pytest.raises(ReleaseError, match="truncated"):
+        write_variant(release, _patch(base), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and _hashes(broken) == before
+    assert _siblings(tmp_path / "out") == ["broken"]
+    shard.write_bytes(b"\xff" * 64)
+    with pytest.raises(ReleaseError, match="not a valid safetensors"):
+        write_variant(release, _patch(base), tmp_path / "out", progress=False)
+
+
+def test_full_disk_mid_write_leaves_nothing(base, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real_write = write_module._HashingFile.write
+
+    def failing_write(self, data):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(write_module._HashingFile, "write", failing_write)
+    before = _hashes(base.path)
+    with pytest.raises(BlazeError, match="no space left"):
+        write_variant(base, _patch(base), tmp_path / "out", progress=False)
+    assert calls["n"] == 40
+    assert _siblings(tmp_path / "out") == [] and _hashes(base.path) == before
+
+
+def test_output_folder_rules(base, variant, tmp_path):
+    out, patch = variant
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    with pytest.raises(BlazeError, match="not empty"):
+        write_variant(base, patch, tmp_path / "busy", progress=False)
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+    write_variant(base, patch, tmp_path / "busy", force=True, progress=False)
+    assert not (tmp_path / "busy" / "keep.txt").exists() and verify_manifest(tmp_path / "busy") == []
+    for bad in (base.path, base.path / "sub"):
+        with pytest.raises(BlazeError, match="overlaps the base"):
+            write_variant(base, patch, bad, force=True, progress=False)
+
+
+def test_cli_apply_checks_base_identity(base, variant, tmp_path):
+    out, patch = variant
+    other = tmp_path / "other"
+    shutil.copytree(base.path, other)
+    reader = CheckpointReader(other)
+    name = f"{patch.names()[0]}.weight"
+    info = reader.info(name)
+    with open(info.file, "r+b") as handle:  # flip one stored value of an edited tensor
+        handle.seek(info.offset)
+        byte = handle.read(1)
+        handle.seek(info.offset)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    runner = CliRunner()
+    result = runner.invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(other), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "different values" in result.output and "--force" in result.output
+    assert not (tmp_path / "x").exists()
+    result = runner.invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(other), "--out", str(tmp_path / "x"),
+                                  "--force"])
+    assert result.exit_code == 0, result.output
+
+    anonymous = tmp_path / "anon.safetensors"
+    Patch(patch.factors, None, {}).save(anonymous)
+    result = runner.invoke(main, ["apply", str(anonymous), "--base", str(base.path), "--out", str(tmp_path / "y")])
+    assert result.exit_code == 0 and "no base identity" in result.output
+
+    result = runner.invoke(main, ["apply", str(anonymous), "--base", str(base.path), "--out", str(tmp_path / "y")])
+    assert result.exit_code == 2 and "not empty" in result.output
