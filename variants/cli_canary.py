@@ -1,7 +1,195 @@
-"""CLI commands (placeholder until implemented)."""
+"""`blaze canary VARIANT --against BASE`: prove a variant against its base (free-form, damage, decisions, integrity).
+
+Exit codes: 0 the gate passed, 1 the gate failed, 2 bad usage or input (a BlazeError: message, no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
 
 import click
 
+from clef_model.errors import BlazeError
+
+THRESHOLD_OPTIONS = [
+    ("--min-effect", "min_effect", float, "Smallest effect size to pass (e.g. relative length cut 0.25)."),
+    ("--effect", "effect", click.Choice(["length_cut", "quality_gain", "none"]), "Which effect the gate measures."),
+    ("--max-first-token-kl", "max_first_token_kl", float, "Largest mean first-token KL(base‖variant) on neutral prompts."),
+    ("--max-mean-token-kl", "max_mean_token_kl", float, "Largest mean per-token KL over the base's continuations."),
+    ("--max-loop-rate", "max_loop_rate", float, "Largest share of prompts where only the variant loops."),
+    ("--max-limit-rate", "max_limit_rate", float, "Largest share of prompts where only the variant hits the token limit."),
+    ("--max-empty-rate", "max_empty_rate", float, "Largest share of prompts where only the variant answers empty."),
+    ("--max-decision-drift", "max_decision_drift", float, "Largest |Δp| over the typed-decision suite."),
+    ("--max-argmax-flips", "max_argmax_flips", int, "Most typed-decision questions whose chosen option may change."),
+    ("--min-quality-ratio", "min_quality_ratio", float, "Variant keyword hits must be ≥ this × base hits."),
+]
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / "blaze_manifest.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise BlazeError(f"{path} is not valid JSON ({error.msg}); re-create the variant with blaze edit")
+
+
+def _manifest_behavior(manifest: dict[str, Any]) -> str | None:
+    value = manifest.get("behavior")
+    if isinstance(value, dict):
+        value = value.get("source") if value.get("source") and Path(str(value["source"])).is_file() else value.get("name")
+    return str(value) if value else None
+
+
+def _manifest_base(manifest: dict[str, Any]) -> str | None:
+    base = manifest.get("base") or manifest.get("base_identity")
+    if isinstance(base, dict):
+        return base.get("ref")
+    return str(base) if base else None
+
+
+def _fits_together(variant, base, device: str) -> bool:
+    """Whether both checkpoints fit in memory at once (GPU: free memory; CPU: available RAM), with headroom."""
+    from clef_model.checkpoint import CheckpointReader
+
+    need = sum(CheckpointReader(Path(r.path)).total_bytes() for r in (variant, base))
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return need * 1.3 < free
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return True
+    return need * 2.5 < available  # float32 on CPU doubles bf16 checkpoints
+
+
+def _json_default(value: Any) -> Any:
+    return repr(value)
+
+
+def run_command(variant_ref: str, against: str | None, behavior: str | None, suite: tuple[Path, ...],
+                json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
+                trust_release_code: bool, batch_size: int, mode: str, integrity: bool,
+                overrides: dict[str, Any]) -> dict[str, Any]:
+    """Resolve both releases, check integrity, run the canaries and write the reports; returns the report."""
+    import torch
+
+    from canaries.cache import DiskCache, release_fingerprint
+    from canaries.integrity import check_integrity
+    from canaries.report import print_report, to_markdown
+    from canaries.run import ModelView, freeform_suite, run_canary, run_sequential
+    from canaries.suites import load_custom_suite
+    from clef_model.release import DEFAULT_BASE, resolve_release
+    from clef_model.runtime import Runtime
+
+    variant_release = resolve_release(variant_ref)
+    manifest = _read_manifest(Path(variant_release.path))
+    base_release = resolve_release(against or _manifest_base(manifest) or DEFAULT_BASE)
+
+    spec = None
+    behavior = behavior or _manifest_behavior(manifest)
+    if behavior:
+        from variants.spec import load_behavior
+
+        spec = load_behavior(behavior)
+    behavior_items = spec.heldout_items() if spec else None
+    general = True
+    decision_requests = None
+    for suite_file in suite or ():
+        kind, items = load_custom_suite(suite_file)
+        if kind == "freeform":
+            behavior_items, general = (behavior_items if not general else []) + \
+                [dict(item, source="behavior") for item in items], False
+        else:
+            decision_requests = (decision_requests or []) + items
+    freeform = freeform_suite(behavior_items, general=general)
+    thresholds = {**(spec.gate.to_dict() if spec else {}), **{k: v for k, v in overrides.items() if v is not None}}
+    if max_new_tokens is None:
+        max_new_tokens = spec.defaults.max_new_tokens if spec else 96
+    quality = spec.quality if spec else None
+
+    integrity_result = None
+    if integrity:
+        click.echo(f"checking integrity of {variant_release.ref} against {base_release.ref} …", err=True)
+        integrity_result = check_integrity(variant_release, base_release, progress=True)
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    common = dict(freeform_prompts=freeform, decision_requests=decision_requests, thresholds=thresholds,
+                  quality=quality, max_new_tokens=max_new_tokens, integrity=integrity_result, progress=True,
+                  batch_size=batch_size)
+
+    def load(release, label):
+        click.echo(f"loading {label} {release.ref} on {device} …", err=True)
+        return Runtime.load(release, device=device, trust_release_code=trust_release_code)
+
+    together = mode == "together" or (mode == "auto" and _fits_together(variant_release, base_release, device))
+    if together:
+        base_rt = load(base_release, "base")
+        variant_rt = load(variant_release, "variant")
+        report = run_canary(ModelView(variant_rt, label="variant"), ModelView(base_rt, label="base"), **common)
+    else:
+        click.echo("running base and variant one after the other (base outputs cached)", err=True)
+        report = run_sequential(lambda: load(variant_release, "variant"), lambda: load(base_release, "base"),
+                                base_cache=DiskCache(), base_key=f"{release_fingerprint(Path(base_release.path))}|"
+                                                                 f"{device}", base_is_clef=base_release.kind == "clef",
+                                **common)
+    report["meta"].update({"variant": variant_release.ref, "base": base_release.ref,
+                           "behavior": spec.name if spec else None, "mode": "together" if together else "sequential"})
+    print_report(report, echo=lambda line: click.echo(line))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report, indent=2, ensure_ascii=False, default=_json_default) + "\n")
+    if markdown_path is not None:
+        Path(markdown_path).write_text(to_markdown(report), encoding="utf-8")
+    return report
+
 
 def register(group: click.Group) -> None:
-    """Add this module's commands to the blaze group."""
+    """Add `blaze canary` to the blaze group."""
+
+    @click.argument("variant")
+    @click.option("--against", "against", metavar="BASE", default=None,
+                  help="The base release (folder, Hub id or 'smollm2'). Default: the base in the variant's manifest, "
+                       "else Cloudflare/clef-flash.")
+    @click.option("--behavior", default=None, help="Behaviour name or spec file: its held-out prompts, quality check "
+                  "and gate thresholds. Default: the behaviour named in the variant's manifest.")
+    @click.option("--suite", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+                  help="Custom suite JSONL (repeatable): chat prompts {\"prompt\", \"keywords\"?} replace the "
+                       "behaviour's and the general prompts; SystemOne requests {\"model\", \"state\", \"questions\", "
+                       "\"labels\"?} replace the decision suite.")
+    @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                  help="Write the full report as JSON (keys freeform, damage, decisions, integrity, gate).")
+    @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                  help="Write the report as Markdown (the model card reuses it).")
+    @click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+                  help="Tokens per free-form answer. Default: the behaviour's, else 96.")
+    @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Prompts per batch.")
+    @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
+    @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
+                  help="Both models in memory at once, or one after the other with the base's outputs cached "
+                       "($BLAZE_CACHE/canary). auto: together when both fit.")
+    @click.option("--no-integrity", is_flag=True, help="Skip the integrity check (e.g. a variant that is not a folder).")
+    @click.option("--trust-release-code", is_flag=True,
+                  help="Run release code whose SHA-256 is not on blaze's allowlist.")
+    def canary(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, batch_size, device, mode,
+               no_integrity, trust_release_code, **overrides):
+        """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
+
+        \b
+        Exit codes: 0 the gate passed, 1 the gate failed, 2 bad usage or input.
+        Example:
+          blaze canary ./variant --against Cloudflare/clef-flash --json report.json --markdown report.md
+        """
+        report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
+                             trust_release_code, batch_size, mode, not no_integrity, overrides)
+        sys.exit(0 if report["gate"]["passed"] else 1)
+
+    for flag, name, kind, text in reversed(THRESHOLD_OPTIONS):
+        canary = click.option(flag, name, type=kind, default=None, help=text)(canary)
+    group.command("canary")(canary)
