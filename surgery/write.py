@@ -242,6 +242,7 @@ def write_variant(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     manifest_extra: dict | None = None,
     progress: bool = True,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write base + patch as a drop-in release folder at `out` and return its path.
 
@@ -272,6 +273,13 @@ def write_variant(
             bar.update((base_path / name).stat().st_size)
         patch.save(tmp / PATCH_FILE)
         out_hashes[PATCH_FILE] = sha256_file(tmp / PATCH_FILE)
+        # extra_files: minimal addition by the build engineer (blaze edit stores blaze_canary.json/.md here,
+        # so the report is listed and hashed in the manifest before the folder is finalised).
+        for name, data in (extra_files or {}).items():
+            if "/" in name or name in side or name in _BLAZE_FILES or name in out_hashes:
+                raise BlazeError(f"extra file name {name!r} would clash with a release file; choose another name.")
+            (tmp / name).write_bytes(data)
+            out_hashes[name] = sha256_file(tmp / name)
 
         matrices = {}
         for name in patch.names():
