@@ -29,6 +29,7 @@ def canary_report(*, gate_passes: bool = True, integrity: dict[str, Any] | None 
     """A canary report assembled by the canaries package's own code from made-up model outputs
     (`integrity`: a real `check_integrity` result, or a minimal verdict when None)."""
     from canaries.decisions import compare_decisions, not_applicable
+    from canaries.gate import evaluate
     from canaries.run import CanarySuite, build_report
     from canaries.suites import default_decision_suite
 
@@ -38,11 +39,12 @@ def canary_report(*, gate_passes: bool = True, integrity: dict[str, Any] | None 
     variant_gens = [_generation(VARIANT_ANSWER, 6), _generation("Paris.", 2)]
     damage_ref = {"continuations": ["Hello there."], "text_sequences": [[1, 2, 3, 4]], "text_nll": [3.0]}
     damage_cmp = {"kl": [[0.01, 0.02]], "text_nll": [3.1]}
+    thresholds = {"effect": "length_cut", "min_effect": 0.25 if gate_passes else 0.99}
     suite = CanarySuite(freeform=freeform, decisions=None, neutral_prompts=["Say hello."], neutral_texts=["x"])
     integrity = integrity if integrity is not None else {"passed": True, "problems": []}
     report = build_report(suite, {"generations": base_gens, "damage": damage_ref},
                           {"generations": variant_gens, "damage": damage_cmp},
-                          thresholds={"min_effect": 0.25 if gate_passes else 0.99}, quality="keywords",
+                          thresholds=thresholds, quality="keywords",
                           integrity=integrity, settings={}, labels=("base", "variant"))
     if clef:
         request = default_decision_suite()[0]
@@ -51,6 +53,7 @@ def canary_report(*, gate_passes: bool = True, integrity: dict[str, Any] | None 
         report["decisions"] = compare_decisions([request], base_p, var_p)
     else:
         report["decisions"] = not_applicable()
+    report["gate"] = evaluate(report, thresholds)  # again, now with the decisions section
     return report
 
 

@@ -1,0 +1,147 @@
+"""`blaze publish`: verification, refusal, dry run offline, and a real upload to a local Hub stand-in."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hub_standin import HubStandIn
+from test_card import make_variant
+from variants.cli import main
+from variants.publish import folder_files, verify_variant
+
+TOKEN = "hf_blazeTestToken0123456789secret"
+
+
+def _publish(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(main, ["publish", *args], env=env, catch_exceptions=False)
+
+
+@pytest.fixture()
+def variant(tiny_release: Path, tmp_path: Path) -> Path:
+    return make_variant(tiny_release, tmp_path / "variant")
+
+
+@pytest.fixture()
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The stand-in server, with huggingface_hub pointed at it: online (127.0.0.1 only) and xet off.
+
+    Shards over 300 kB go through LFS multipart (100 kB parts), smaller ones through LFS basic transfer.
+    """
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    with HubStandIn(tmp_path / "hub", multipart_threshold=300_000, multipart_chunk=100_000) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        yield server
+
+
+def _assert_same_files(hub: HubStandIn, repo: str, branch: str, folder: Path) -> None:
+    stored = hub.files(repo, branch)
+    stored.pop(".gitattributes")  # created with the repo, as on the Hub
+    local = {name for name, _ in folder_files(folder)}
+    assert set(stored) == local
+    for name, path in stored.items():
+        assert path.read_bytes() == (folder / name).read_bytes(), name
+
+
+def test_publish_uploads_folder_byte_for_byte(variant: Path, hub: HubStandIn):
+    result = _publish(str(variant), "--repo", "you/clef-flash-concise", "--private")
+    assert result.exit_code == 0, result.output
+    assert (variant / "README.md").is_file()  # the card was rendered into the folder and uploaded
+    _assert_same_files(hub, "you/clef-flash-concise", "main", variant)
+    assert hub.repo("you/clef-flash-concise")["private"] is True
+    paths = [(r.method, r.path) for r in hub.requests]
+    assert any(p.endswith("/complete") for _, p in paths), "a shard should take the multipart LFS path"
+    assert any(m == "PUT" and "/part/" not in p for m, p in paths), "a shard should take the basic LFS path"
+    assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub.requests
+               if r.path.startswith("/api/") and r.path != "/api/validate-yaml")
+    assert "published" in result.output and TOKEN not in result.output
+
+
+def test_token_is_never_written(variant: Path, hub: HubStandIn, tmp_path: Path):
+    result = _publish(str(variant), "--repo", "you/concise")
+    assert result.exit_code == 0, result.output
+    needle = TOKEN.encode()
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and not [p for p in written if needle in p.read_bytes()]
+
+
+def test_publish_to_new_branch(variant: Path, hub: HubStandIn):
+    result = _publish(str(variant), "--repo", "you/concise", "--revision", "v1")
+    assert result.exit_code == 0, result.output
+    _assert_same_files(hub, "you/concise", "v1", variant)
+    assert set(hub.files("you/concise", "main")) == {".gitattributes"}
+    again = _publish(str(variant), "--repo", "you/concise", "--revision", "v1")  # repo and branch exist: fine
+    assert again.exit_code == 0, again.output
+
+
+def test_token_env_option(variant: Path, hub: HubStandIn, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("HF_TOKEN")
+    missing = _publish(str(variant), "--repo", "you/concise", "--token-env", "MY_HUB_TOKEN")
+    assert missing.exit_code == 2 and "MY_HUB_TOKEN is not set" in missing.output
+    monkeypatch.setenv("MY_HUB_TOKEN", "hf_other")
+    result = _publish(str(variant), "--repo", "you/concise", "--token-env", "MY_HUB_TOKEN")
+    assert result.exit_code == 0, result.output
+    assert any(r.headers.get("authorization") == "Bearer hf_other" for r in hub.requests)
+
+
+@pytest.mark.parametrize("spoil, message", [
+    ({"gate_passes": False}, "the canary gate did not pass (failed: effect)"),
+    ({"integrity_passes": False}, "the canary integrity check failed"),
+    ({"canary": False}, "blaze_canary.json is missing"),
+])
+def test_refuses_failed_checks_unless_forced(tiny_release: Path, tmp_path: Path, hub: HubStandIn, spoil, message):
+    folder = make_variant(tiny_release, tmp_path / "bad", **spoil)
+    result = _publish(str(folder), "--repo", "you/bad")
+    assert result.exit_code == 2 and message in result.output and "--force" in result.output
+    assert hub.requests == [] and not (folder / "README.md").exists()  # nothing sent, nothing written
+    forced = _publish(str(folder), "--repo", "you/bad", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert "warning (--force)" in forced.output
+    _assert_same_files(hub, "you/bad", "main", folder)
+
+
+def test_refuses_changed_missing_or_unlisted_files(variant: Path):
+    shard = next(variant.glob("model-0000*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    (variant / "generation_config.json").unlink()
+    (variant / "notes.txt").write_text("stray file")
+    problems = "\n".join(verify_variant(variant).problems)
+    assert f"{shard.name}: SHA-256 differs from the manifest" in problems
+    assert "generation_config.json: listed in the manifest but missing" in problems
+    assert "notes.txt: not listed in the manifest" in problems
+    (variant / "blaze_manifest.json").unlink()
+    assert "blaze_manifest.json is missing" in "\n".join(verify_variant(variant).problems)
+
+
+def test_dry_run_works_offline_and_changes_nothing(variant: Path):
+    from huggingface_hub import constants
+
+    assert os.environ.get("HF_HUB_OFFLINE") == "1" and constants.is_offline_mode()
+    before = {p: p.stat().st_mtime_ns for p in variant.iterdir()}
+    result = _publish(str(variant), "--repo", "you/concise", "--dry-run")
+    assert result.exit_code == 0, result.output
+    for name, size in folder_files(variant):
+        line = next(l for l in result.output.splitlines() if l.strip().startswith(name + " "))
+        assert line.split()[1] in (f"{size}", f"{size / 1000:.1f}")
+    assert "README.md" in result.output and "(model card, generated)" in result.output
+    assert "base_model_relation: finetune" in result.output and "## Observed behaviour shift" in result.output
+    assert {p: p.stat().st_mtime_ns for p in variant.iterdir()} == before  # no card written, nothing touched
+
+
+def test_upload_offline_is_a_clear_error(variant: Path):
+    result = _publish(str(variant), "--repo", "you/concise")
+    assert result.exit_code == 2 and "HF_HUB_OFFLINE is set" in result.output and "--dry-run" in result.output
+
+
+def test_bad_repo_id(variant: Path):
+    result = _publish(str(variant), "--repo", "no-namespace", "--dry-run")
+    assert result.exit_code == 2 and "invalid repo id" in result.output
