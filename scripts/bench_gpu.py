@@ -1,0 +1,672 @@
+#!/usr/bin/env python3
+"""GPU benchmarks of issue 6 on one H200: blaze edit, blaze canary, SystemOne latency, generate.
+
+Writes ``results.json`` and ``results.md`` to ``--out`` (plus ``log.txt``); prints a short table last.
+Sections (``--sections``, comma separated, run in this order):
+
+- ``env``       versions, GPU, which Gated DeltaNet kernel transformers uses, measured ceilings
+                (bf16 matmul TFLOP/s, device copy TB/s).
+- ``systemone`` SystemOne latency on the model card's invoice request with its state padded to
+                ~``--s1-tokens`` tokens: stock release path vs ``clef_model.fast.FastSystemOne`` (CUDA
+                graph per length bucket); median / p95 over ``--s1-repeats`` after warm-up; time split
+                (encode, backbone, head); answer agreement (max |Δp|).
+- ``generate``  free-form greedy generation, ``--gen-tokens`` new tokens, no early stop: stock
+                ``generate`` (KV cache on) vs ``clef_model.fast.StaticGreedyDecoder`` at batch 1 and at
+                ``--gen-batches``; token agreement with the stock path.
+- ``edit``      ``blaze fixture --preset 9b`` on local disk, then the whole ``blaze edit`` (default
+                verbosity recipe) in-process with the stages timed: load, statistics (tokens/s), solve,
+                write, total.
+- ``canary``    the whole ``blaze canary VARIANT --against BASE`` with default suites, timed.
+
+``systemone``/``generate`` run on ``--model`` (a release folder, e.g. the ``edit`` fixture) or, with
+``--model random9b``, on a random-weight model with the real 9B text shapes built in GPU memory (no
+disk; tokenizer and head from the fixture builder).
+
+Example (what BENCHMARKS.md records):
+    python scripts/bench_gpu.py --out $OUT --workdir /tmp/bench --sections env,systemone,generate --model random9b
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+RESULTS: dict[str, Any] = {}
+DEVICE = "cuda"  # --device cpu runs a smoke test of the script itself on the tiny fixture
+LOG: list[str] = []
+
+
+def say(message: str) -> None:
+    """Print and keep a line for log.txt."""
+    line = f"[{time.strftime('%H:%M:%S')}] {message}"
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, seconds) with the device synchronised on both sides."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summary_ms(values: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    return {"median_ms": round(statistics.median(ms), 2), "p95_ms": round(pct(ms, 0.95), 2),
+            "min_ms": round(min(ms), 2), "n": len(ms)}
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------ env
+def section_env(args) -> None:
+    import transformers
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda, "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    try:
+        import fla  # noqa: F401
+
+        info["fla"] = getattr(fla, "__version__", "importable")
+    except Exception as error:  # noqa: BLE001
+        info["fla"] = f"not importable: {error}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        _, dt = timed(lambda: [a @ b for _ in range(10)])
+        info["bf16_matmul_tflops"] = round(10 * 2 * 8192**3 / dt / 1e12, 1)
+        src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        _, dt = timed(lambda: [dst.copy_(src) for _ in range(5)])
+        info["copy_tb_s"] = round(5 * 2 * src.numel() * 2 / dt / 1e12, 2)
+        del a, b, src, dst
+        free_gpu()
+    RESULTS["env"] = info
+    say(f"env: {json.dumps(info)}")
+
+
+def kernel_report(backbone: torch.nn.Module) -> dict[str, Any]:
+    """Which Gated DeltaNet / conv implementation the transformers module resolved to (best effort)."""
+    import importlib
+
+    report: dict[str, Any] = {"fla_imported": "fla" in sys.modules}
+    layer = next((m for m in backbone.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    module = importlib.import_module(type(layer).__module__) if layer is not None else None
+    for owner, label in ((layer, "layer"), (module, "module")):
+        if owner is None:
+            continue
+        for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update", "torch_chunk_gated_delta_rule"):
+            fn = getattr(owner, name, None)
+            if fn is not None:
+                inner = getattr(fn, "__wrapped__", fn)
+                report[f"{label}.{name}"] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}" + (
+                    f" (wraps {getattr(inner, '__module__', '?')})" if inner is not fn else "")
+    attn = next((m for m in backbone.modules() if type(m).__name__.endswith("Attention")
+                 and hasattr(m, "config")), None)
+    if attn is not None:
+        report["attn_implementation"] = getattr(attn.config, "_attn_implementation", None)
+    return report
+
+
+# --------------------------------------------------------------------------------------------- models
+class Loaded:
+    """What the SystemOne/generate sections need: backbone, head, tokenizer, release code, reference fn."""
+
+    def __init__(self, backbone, head, tokenizer, code, reference, processor=None, runtime=None, label=""):
+        self.backbone, self.head, self.tokenizer, self.code = backbone, head, tokenizer, code
+        self.reference, self.processor, self.runtime, self.label = reference, processor, runtime, label
+
+
+def _tiny_folder(workdir: Path) -> Path:
+    from clef_model.fixtures import build_fixture
+
+    folder = workdir / "tiny"
+    if not folder.exists():
+        build_fixture(folder, "tiny", progress=False)
+    return folder
+
+
+def load_random9b(workdir: Path) -> Loaded:
+    """A random-weight model with the real 9B text shapes, built directly in GPU memory (bf16).
+
+    Scales follow the fixture builder's rules, so activations behave like the `9b` fixture's.
+    """
+    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from clef_model import fixtures
+    from clef_model.trust import import_release_code_file
+
+    tiny = _tiny_folder(workdir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in fixtures.SPECIAL_TOKENS}
+    config, head_config = fixtures._configs("9b", None, ids)  # the fixture builder's own 9b shapes
+    config["vision_config"].update(depth=1)  # the text path never runs the vision tower
+    code = import_release_code_file(tiny / "joint_schema_model.py")
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            backbone = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    live = len(tokenizer)
+    with torch.no_grad():
+        for name, param in backbone.named_parameters():
+            kind, a, b = fixtures._init_rule(name, tuple(param.shape))
+            if kind == "log_uniform":
+                param.copy_(torch.empty(param.shape, device="cuda").uniform_(a, b).log_())
+            else:
+                param.normal_(a, b) if b > 0 else param.fill_(a)
+            if name.endswith(("lm_head.weight", "embed_tokens.weight")):
+                param[live:] = 0
+        for module in backbone.modules():  # non-persistent rotary buffers: recompute in float32
+            if type(module).__name__ == "Qwen3_5TextRotaryEmbedding":
+                inv, _ = module.compute_default_rope_parameters(module.config, device="cuda")
+                module.inv_freq = inv
+    backbone.config.use_cache = False  # as the release loader leaves it
+    head = code.JointSchemaHead(**head_config).to(device="cuda", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        head.prior_logit_scale.fill_(1.2)
+        head.joint_logit_scale.fill_(2.5)
+        head.residual_gate.fill_(0.5)
+    clef = code.ClefModel(backbone, head).eval()
+
+    class _Processor:  # encode_record only needs .tokenizer for text-only requests
+        pass
+
+    processor = _Processor()
+    processor.tokenizer = tokenizer
+    reference = lambda request: code.systemone(clef, processor, request)  # noqa: E731
+    return Loaded(backbone, head, tokenizer, code, reference, processor=processor, label="random9b (in memory)")
+
+
+def load_release(folder: Path) -> Loaded:
+    """A release folder through clef_model.runtime.Runtime when it exists, else the release loader."""
+    try:
+        from clef_model.runtime import Runtime
+    except ImportError:
+        Runtime = None
+    if Runtime is not None:
+        runtime = Runtime.load(str(folder), device=DEVICE)
+        code = getattr(runtime, "release_code", None)
+        head = getattr(runtime, "head", None)
+        clef = getattr(runtime, "clef", None) or getattr(runtime, "clef_model", None)
+        if head is None and clef is not None:
+            head = clef.head
+        if code is None:
+            from clef_model.trust import load_release_code
+
+            code = load_release_code(runtime.release)
+        return Loaded(runtime.model, head, runtime.tokenizer, code, runtime.systemone,
+                      processor=runtime.processor, runtime=runtime, label=f"Runtime.load({folder.name})")
+    from clef_model.trust import import_release_code_file
+
+    code = import_release_code_file(folder / "joint_schema_model.py")
+    clef, processor = code.load_release_model(folder, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    reference = lambda request: code.systemone(clef, processor, request)  # noqa: E731
+    return Loaded(clef.language_model, clef.head, processor.tokenizer, code, reference, processor=processor,
+                  label=f"load_release_model({folder.name})")
+
+
+# ------------------------------------------------------------------------------------------ systemone
+def invoice_request(tokenizer, code, target_tokens: int) -> tuple[dict, int]:
+    """The model card's invoice request with a `notes` field grown until the prompt is ~target tokens."""
+    from canaries.suites import default_decision_suite
+
+    base = next(r for r in default_decision_suite() if "invoice" in r.get("id", ""))
+    request = {k: v for k, v in base.items() if k in ("model", "state", "questions")}
+    request = json.loads(json.dumps(request))
+    line = "Line item: consulting services rendered under the framework agreement, billed monthly. "
+    words = 0
+    while True:
+        request["state"]["invoice"]["notes"] = line * words
+        length = len(code.encode_record(tokenizer, request).input_ids)
+        if length >= target_tokens or words > 10000:
+            return request, length
+        words = max(words + 1, int(words * target_tokens / max(length, 1)) if words else 8)
+
+
+def _max_abs_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for qid, want in a["answers"].items():
+        got = b["answers"][qid]
+        for key in ("noul", "score", "confidence"):
+            if key in want:
+                worst = max(worst, abs(want[key] - got[key]))
+        for option, p in want.get("probabilities", {}).items():
+            worst = max(worst, abs(p - got["probabilities"][option]))
+        if want.get("choice") != got.get("choice"):
+            worst = max(worst, 1.0)
+    return worst
+
+
+def section_systemone(args, loaded: Loaded) -> None:
+    from clef_model.fast import FastSystemOne
+
+    out: dict[str, Any] = {"model": loaded.label, "kernels": kernel_report(loaded.backbone)}
+    request, tokens = invoice_request(loaded.tokenizer, loaded.code, args.s1_tokens)
+    out["input_tokens"] = tokens
+    say(f"systemone: invoice request padded to {tokens} tokens; kernels {out['kernels']}")
+    ref = loaded.reference
+    for _ in range(args.s1_warmup):
+        ref(request)
+    stock = [timed(lambda: ref(request))[1] for _ in range(args.s1_repeats)]
+    out["stock"] = summary_ms(stock)
+    say(f"systemone stock: {out['stock']}")
+    # split of the stock path: encode on the CPU, backbone forward, head
+    code, tok = loaded.code, loaded.tokenizer
+    encode = [timed(lambda: code.encode_record(tok, request))[1] for _ in range(10)]
+    enc = code.encode_record(tok, request)
+    batch = code.collate_records([enc], tok.pad_token_id or 0, torch.device(DEVICE))
+    text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
+        else loaded.backbone.model
+    with torch.inference_mode():
+        fwd = [timed(lambda: text(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  use_cache=False))[1] for _ in range(10)]
+    out["stock_split"] = {"encode": summary_ms(encode), "backbone": summary_ms(fwd)}
+
+    fast = FastSystemOne(loaded.backbone, loaded.head, tok, code, ref)
+    out["fast_uses_fla"] = fast.engine.uses_fla
+    try:
+        _, capture = timed(lambda: fast.backbone.warm([tokens]))
+        out["graph_capture_s"] = round(capture, 2)
+        for _ in range(args.s1_warmup):
+            fast(request)
+        fast_times = [timed(lambda: fast(request))[1] for _ in range(args.s1_repeats)]
+        out["fast"] = summary_ms(fast_times)
+        with torch.inference_mode():
+            replay = [timed(lambda: fast.backbone(batch["input_ids"]))[1] for _ in range(20)]
+            eager = [timed(lambda: fast.engine.hidden_states(batch["input_ids"]))[1] for _ in range(10)]
+            hidden = fast.backbone(batch["input_ids"])
+            head = [timed(lambda: loaded.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
+                                              fast.engine.lm_head.weight))[1] for _ in range(20)]
+        out["fast_split"] = {"backbone_graph": summary_ms(replay), "backbone_engine_eager": summary_ms(eager),
+                             "head": summary_ms(head)}
+        diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)]
+        out["agreement_max_abs_diff"] = max(diffs)
+        out["agreement_requests"] = len(diffs)
+        say(f"systemone fast: {out['fast']} split {out['fast_split']} max|dp| {out['agreement_max_abs_diff']}")
+    except Exception as error:  # noqa: BLE001 - record and go on with the other figures
+        out["fast_error"] = f"{type(error).__name__}: {error}"
+        say(f"systemone fast FAILED: {traceback.format_exc()}")
+    RESULTS["systemone"] = out
+    del fast
+    free_gpu()
+
+
+def _agreement_requests(loaded: Loaded, padded: dict) -> list[dict]:
+    from canaries.suites import default_decision_suite
+
+    plain = [{k: v for k, v in r.items() if k in ("model", "state", "questions")} for r in default_decision_suite()]
+    return [padded] + plain
+
+
+# ------------------------------------------------------------------------------------------- generate
+GEN_PROMPTS = [
+    "What is the speed of light?", "Explain how a refrigerator works.", "Write a haiku about autumn.",
+    "Why is the sky blue?", "List three uses of copper.", "Summarise the plot of Hamlet.",
+    "How do vaccines work?", "What causes tides?",
+]
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        enable_thinking=False, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _stock_generate(backbone, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    pad = tokenizer.pad_token_id or 0
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding, as Runtime.generate does
+        ids[row, longest - len(p):] = torch.tensor(p)
+        mask[row, longest - len(p):] = 1
+    with torch.inference_mode():
+        out = backbone.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=pad)
+    return out[:, longest:].tolist()
+
+
+def section_generate(args, loaded: Loaded) -> None:
+    from clef_model.fast import StaticGreedyDecoder
+
+    n = args.gen_tokens
+    tok = loaded.tokenizer
+    prompts = [_chat_ids(tok, p) for p in GEN_PROMPTS]
+    out: dict[str, Any] = {"model": loaded.label, "new_tokens": n, "prompt_tokens": [len(p) for p in prompts]}
+    stock: dict[str, Any] = {}
+    stock_rows: dict[int, list[list[int]]] = {}
+    _stock_generate(loaded.backbone, tok, prompts[:1], 4)  # warm-up
+    for batch in [1] + args.gen_batches:
+        rows = [prompts[i % len(prompts)] for i in range(batch)]
+        reps = 2 if batch == 1 else 1
+        times = []
+        for _ in range(reps):
+            result, dt = timed(lambda: _stock_generate(loaded.backbone, tok, rows, n))
+            times.append(dt)
+        stock_rows[batch] = result
+        stock[str(batch)] = {"seconds": round(min(times), 3), "tokens_per_s": round(batch * n / min(times), 1)}
+        say(f"generate stock batch {batch}: {stock[str(batch)]}")
+        if batch >= args.stock_batch_limit:
+            break
+    out["stock"] = stock
+    fast: dict[str, Any] = {}
+    try:
+        decoder = StaticGreedyDecoder(loaded.backbone, max_len=max(len(p) for p in prompts) + n + 64)
+        out["fast_uses_fla"] = decoder.engine.uses_fla
+        for batch in [1] + args.gen_batches + args.fast_extra_batches:
+            rows = [prompts[i % len(prompts)] for i in range(batch)]
+            _, first = timed(lambda: decoder.generate(rows, n))  # includes graph capture for this batch size
+            times, result = [], None
+            for _ in range(3):
+                result, dt = timed(lambda: decoder.generate(rows, n))
+                times.append(dt)
+            # decode-only rate: same call with 1 new token measures prefill + overhead
+            _, pre = timed(lambda: decoder.generate(rows, 1))
+            best = min(times)
+            entry = {"seconds": round(best, 3), "tokens_per_s": round(batch * n / best, 1),
+                     "first_call_s": round(first, 2), "prefill_s": round(pre, 4),
+                     "decode_ms_per_step": round((best - pre) / max(n - 1, 1) * 1000, 3)}
+            if batch in stock_rows:
+                ref = stock_rows[batch]
+                same = sum(a == b for a, b in zip(ref, result))
+                prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref, result)]
+                entry["identical_rows"] = f"{same}/{len(ref)}"
+                entry["first_divergence_min"] = min(prefix)
+            fast[str(batch)] = entry
+            say(f"generate fast batch {batch}: {entry}")
+    except Exception as error:  # noqa: BLE001
+        out["fast_error"] = f"{type(error).__name__}: {error}"
+        say(f"generate fast FAILED: {traceback.format_exc()}")
+    out["fast"] = fast
+    RESULTS["generate"] = out
+    free_gpu()
+
+
+# ----------------------------------------------------------------------------------------- edit/canary
+@contextlib.contextmanager
+def stage_timers(names: dict[str, str], sink: dict[str, float]):
+    """Wrap functions (``"module:attr" -> label``) wherever they are bound in loaded modules; sum seconds."""
+    import importlib
+
+    patched: list[tuple[Any, str, Any]] = []
+    for target, label in names.items():
+        mod_name, attr = target.split(":")
+        try:
+            original = getattr(importlib.import_module(mod_name), attr)
+        except Exception:  # noqa: BLE001
+            continue
+
+        def wrapper(*a, __orig=original, __label=label, **k):
+            sync()
+            start = time.perf_counter()
+            try:
+                return __orig(*a, **k)
+            finally:
+                sync()
+                sink[__label] = sink.get(__label, 0.0) + time.perf_counter() - start
+
+        for module in list(sys.modules.values()):
+            for key, value in list(getattr(module, "__dict__", {}).items()):
+                if value is original:
+                    setattr(module, key, wrapper)
+                    patched.append((module, key, original))
+    try:
+        yield
+    finally:
+        for module, key, original in patched:
+            setattr(module, key, original)
+
+
+def _count_tokens(sink: dict[str, float]):
+    """Count the tokens the statistics pass runs (attention-mask sums in surgery.statistics._forward)."""
+    import surgery.statistics as st
+
+    original = getattr(st, "_forward", None)
+    if original is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def patch():
+        def counting(model, ids, mask, *a, **k):
+            sink["statistics_tokens"] = sink.get("statistics_tokens", 0) + int(mask.sum())
+            return original(model, ids, mask, *a, **k)
+
+        st._forward = counting
+        try:
+            yield
+        finally:
+            st._forward = original
+
+    return patch()
+
+
+def run_cli(argv: list[str]) -> tuple[int, float]:
+    """Run ``blaze ARGV`` in-process; (exit code, seconds)."""
+    from variants.cli import main
+
+    start = time.perf_counter()
+    code = 0
+    try:
+        main.main(args=argv, prog_name="blaze", standalone_mode=False)
+    except SystemExit as error:
+        code = int(error.code or 0)
+    except Exception:  # noqa: BLE001
+        say(traceback.format_exc())
+        code = 1
+    sync()
+    return code, time.perf_counter() - start
+
+
+def section_edit(args) -> None:
+    from clef_model.fixtures import build_fixture
+
+    out: dict[str, Any] = {"num_layers": args.num_layers or 32}
+    base = Path(args.workdir) / "base9b"
+    if not (base / "model.safetensors.index.json").exists():
+        _, dt = timed(lambda: build_fixture(base, "9b", num_layers=args.num_layers, force=True, progress=False))
+        out["fixture_build_s"] = round(dt, 1)
+        say(f"fixture 9b ({out['num_layers']} layers) built in {dt:.0f}s")
+    out["fixture_gb"] = round(sum(p.stat().st_size for p in base.glob("*.safetensors")) / 1e9, 2)
+    variant = Path(args.workdir) / "variant"
+    argv = ["edit", "--behavior", "verbosity", "--base", str(base), "--out", str(variant), "--force"] + args.edit_args
+    stages: dict[str, float] = {}
+    timers = {"clef_model.runtime:Runtime.load": "load", "surgery.edit:collect_statistics": "statistics",
+              "surgery.edit:solve": "solve", "surgery.write:write_variant": "write",
+              "canaries.run:run_canary": "canary_in_edit"}
+    timers = {k: v for k, v in timers.items() if "." not in k.split(":")[1]}
+    with stage_timers(timers, stages), _count_tokens(stages), _timed_runtime_load(stages):
+        code, total = run_cli(argv)
+    out.update(command="blaze " + " ".join(argv), exit_code=code, total_s=round(total, 1),
+               stages_s={k: round(v, 2) for k, v in stages.items() if k != "statistics_tokens"})
+    if stages.get("statistics_tokens") and stages.get("statistics"):
+        out["statistics_tokens"] = stages["statistics_tokens"]
+        out["statistics_tokens_per_s"] = round(stages["statistics_tokens"] / stages["statistics"], 1)
+    RESULTS["edit"] = out
+    say(f"edit: {out}")
+    free_gpu()
+
+
+@contextlib.contextmanager
+def _timed_runtime_load(sink: dict[str, float]):
+    try:
+        from clef_model.runtime import Runtime
+    except ImportError:
+        yield
+        return
+    original = Runtime.load.__func__
+
+    def load(cls, *a, **k):
+        start = time.perf_counter()
+        try:
+            return original(cls, *a, **k)
+        finally:
+            sync()
+            sink["load"] = sink.get("load", 0.0) + time.perf_counter() - start
+
+    Runtime.load = classmethod(load)
+    try:
+        yield
+    finally:
+        Runtime.load = classmethod(original)
+
+
+def section_canary(args) -> None:
+    base = Path(args.workdir) / "base9b"
+    variant = Path(args.workdir) / "variant"
+    argv = ["canary", str(variant), "--against", str(base)] + args.canary_args
+    stages: dict[str, float] = {}
+    with _timed_runtime_load(stages):
+        code, total = run_cli(argv)
+    RESULTS["canary"] = {"command": "blaze " + " ".join(argv), "exit_code": code, "total_s": round(total, 1),
+                         "stages_s": {k: round(v, 2) for k, v in stages.items()}}
+    say(f"canary: {RESULTS['canary']}")
+    free_gpu()
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def to_markdown() -> str:
+    lines = ["# GPU benchmark results", ""]
+    env = RESULTS.get("env", {})
+    lines.append(f"Machine: {env.get('gpu', '?')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+                 f"fla {env.get('fla')}; {env.get('date_utc')}; ceilings {env.get('bf16_matmul_tflops')} TFLOP/s bf16, "
+                 f"{env.get('copy_tb_s')} TB/s copy.")
+    lines.append("")
+    if "systemone" in RESULTS:
+        s = RESULTS["systemone"]
+        lines += [f"## SystemOne ({s.get('model')}, {s.get('input_tokens')} tokens)", "",
+                  "| path | median ms | p95 ms | n |", "|---|---|---|---|"]
+        for key in ("stock", "fast"):
+            if key in s:
+                lines.append(f"| {key} | {s[key]['median_ms']} | {s[key]['p95_ms']} | {s[key]['n']} |")
+        lines += ["", f"split: stock {json.dumps(s.get('stock_split'))}; fast {json.dumps(s.get('fast_split'))}",
+                  f"agreement max |Δp| {s.get('agreement_max_abs_diff')} over {s.get('agreement_requests')} requests; "
+                  f"kernels {json.dumps(s.get('kernels'))}", ""]
+    if "generate" in RESULTS:
+        g = RESULTS["generate"]
+        lines += [f"## generate ({g.get('model')}, {g.get('new_tokens')} new tokens, greedy, no early stop)", "",
+                  "| path | batch | tokens/s | seconds | detail |", "|---|---|---|---|---|"]
+        for key in ("stock", "fast"):
+            for batch, e in g.get(key, {}).items():
+                detail = {k: v for k, v in e.items() if k not in ("tokens_per_s", "seconds")}
+                lines.append(f"| {key} | {batch} | {e['tokens_per_s']} | {e['seconds']} | {json.dumps(detail)} |")
+        lines.append("")
+    for key in ("edit", "canary"):
+        if key in RESULTS:
+            lines += [f"## {key}", "", "```json", json.dumps(RESULTS[key], indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    (out / "results.md").write_text(to_markdown())
+    (out / "log.txt").write_text("\n".join(LOG) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/blaze-bench"))
+    parser.add_argument("--sections", default="env,systemone,generate")
+    parser.add_argument("--model", default="random9b", help="'random9b', 'edit-base' or a release folder")
+    parser.add_argument("--num-layers", type=int, default=None, help="fixture layers for edit/canary (default 32)")
+    parser.add_argument("--s1-tokens", type=int, default=1029)
+    parser.add_argument("--s1-repeats", type=int, default=60)
+    parser.add_argument("--s1-warmup", type=int, default=5)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--gen-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[16])
+    parser.add_argument("--fast-extra-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[64])
+    parser.add_argument("--stock-batch-limit", type=int, default=16)
+    parser.add_argument("--edit-args", nargs="*", default=[])
+    parser.add_argument("--canary-args", nargs="*", default=[])
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("BLAZE_QUIET", "1")
+    sections = [s for s in args.sections.split(",") if s]
+    loaded = None
+    try:
+        for section in sections:
+            say(f"=== {section}")
+            try:
+                if section == "env":
+                    section_env(args)
+                elif section in ("systemone", "generate"):
+                    if loaded is None:
+                        if args.model == "tiny":
+                            loaded, dt = timed(lambda: load_release(_tiny_folder(args.workdir)))
+                        elif args.model == "random9b":
+                            loaded, dt = timed(lambda: load_random9b(args.workdir))
+                        else:
+                            folder = args.workdir / "base9b" if args.model == "edit-base" else Path(args.model)
+                            loaded, dt = timed(lambda: load_release(folder))
+                        RESULTS.setdefault("load_s", {})[loaded.label] = round(dt, 1)
+                    (section_systemone if section == "systemone" else section_generate)(args, loaded)
+                elif section == "edit":
+                    section_edit(args)
+                elif section == "canary":
+                    section_canary(args)
+                else:
+                    say(f"unknown section {section}")
+            except Exception:  # noqa: BLE001 - one failed section must not lose the others' numbers
+                RESULTS.setdefault("errors", {})[section] = traceback.format_exc()
+                say(f"section {section} FAILED:\n{traceback.format_exc()}")
+            write_outputs(args.out)
+    finally:
+        write_outputs(args.out)
+    print(to_markdown())
+
+
+if __name__ == "__main__":
+    main()
