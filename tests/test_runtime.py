@@ -206,3 +206,21 @@ def test_plain_causal_lm_refuses_systemone(tmp_path: Path, tiny_release: Path) -
     generations = runtime.generate(["Hello"], max_new_tokens=4)
     assert generations[0].new_tokens <= 4
     assert "model.layers.1.mlp.down_proj" in runtime.named_linears()
+
+
+@pytest.mark.slow
+def test_smollm2_embedded_generates_same_text_twice(smollm2_path: Path) -> None:
+    from clef_model.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(smollm2_path)
+    assert len(reader.shard_files()) >= 2
+    assert {reader.dtype(name) for name in reader.names()} == {"BF16"}
+    assert "model.layers.0.mlp.down_proj.weight" in reader.names()
+    runtime = Runtime.load("smollm2", device="cpu")
+    assert runtime.release.path == smollm2_path and runtime.release.architecture == "llama"
+    first = runtime.generate(["What is the capital of France?"], max_new_tokens=16)[0]
+    second = runtime.generate(["What is the capital of France?"], max_new_tokens=16)[0]
+    assert first.text == second.text and first.token_ids == second.token_ids
+    assert "Paris" in first.text
+    assert first.new_tokens > 0 and first.prompt_tokens == len(runtime.chat_ids("What is the capital of France?"))
+    assert "model.layers.29.mlp.down_proj" in runtime.named_linears()
