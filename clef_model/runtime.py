@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from clef_model import fast as _fast  # optional fast paths (issue 6); each hook falls back to the reference
 from clef_model.errors import BlazeError, ReleaseError
 from clef_model.release import Release, resolve_release
 from clef_model.trust import load_release_code
@@ -162,7 +163,10 @@ class Runtime:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = code.collate_records([encoded[i] for i in chunk], self.tokenizer.pad_token_id, self.device)
-            logits = self.clef(batch)
+            # [fast path, issue 6: clef_model/fast.py] batch-1 text requests through a CUDA-graphed backbone
+            logits = _fast.clef_logits(self, batch)
+            if logits is None:
+                logits = self.clef(batch)
             for i, record_logits in zip(chunk, logits):
                 results[i] = {
                     question.question_id: dict(
@@ -276,20 +280,24 @@ class Runtime:
                 ids = encoded[i]
                 input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, width - len(ids) :] = 1
-            output = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                use_cache=True,
-                eos_token_id=stops,
-                pad_token_id=pad,
-            )
+            # [fast path, issue 6: clef_model/fast.py] static caches + CUDA-graph decode; None -> reference
+            rows = _fast.greedy_rows(self, [encoded[i] for i in chunk], max_new_tokens, stops)
+            if rows is None:
+                output = self.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention_mask.to(self.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    use_cache=True,
+                    eos_token_id=stops,
+                    pad_token_id=pad,
+                )
+                rows = [output[row, width:].tolist() for row in range(len(chunk))]
             for row, i in enumerate(chunk):
-                new = output[row, width:].tolist()
+                new = rows[row]
                 stop_at = next((k for k, token in enumerate(new) if token in stops), None)
                 kept = new if stop_at is None else new[:stop_at]
                 results[i] = Generation(

@@ -27,7 +27,7 @@ def _generation(text: str, tokens: int) -> Generation:
 def canary_report(*, gate_passes: bool = True, integrity: dict[str, Any] | None = None,
                   clef: bool = True) -> dict[str, Any]:
     """A canary report assembled by the canaries package's own code from made-up model outputs
-    (`integrity`: a real `check_integrity` result, or a minimal verdict when None)."""
+    (`integrity`: a real `check_integrity` result, or None when not run, as inside `blaze edit`)."""
     from canaries.decisions import compare_decisions, not_applicable
     from canaries.gate import evaluate
     from canaries.run import CanarySuite, build_report
@@ -41,7 +41,6 @@ def canary_report(*, gate_passes: bool = True, integrity: dict[str, Any] | None 
     damage_cmp = {"kl": [[0.01, 0.02]], "text_nll": [3.1]}
     thresholds = {"effect": "length_cut", "min_effect": 0.25 if gate_passes else 0.99}
     suite = CanarySuite(freeform=freeform, decisions=None, neutral_prompts=["Say hello."], neutral_texts=["x"])
-    integrity = integrity if integrity is not None else {"passed": True, "problems": []}
     report = build_report(suite, {"generations": base_gens, "damage": damage_ref},
                           {"generations": variant_gens, "damage": damage_cmp},
                           thresholds=thresholds, quality="keywords",
@@ -57,36 +56,47 @@ def canary_report(*, gate_passes: bool = True, integrity: dict[str, Any] | None 
     return report
 
 
-def make_variant(base: Path, out: Path, *, canary: bool = True, gate_passes: bool = True,
-                 integrity_passes: bool = True, clef: bool = True, base_ref: str = "Cloudflare/clef-flash",
-                 manifest_extra: dict[str, Any] | None = None) -> Path:
-    """A variant folder: a copy of `base`, a real low-rank delta file, a manifest listing every file's SHA-256,
-    and (optionally) a canary report with a real integrity check. Stands in for `blaze edit` output."""
-    from canaries.integrity import check_integrity
-    from surgery.patch import Patch
+def make_variant(base: Path, out: Path, *, canary: str | None = "after", gate_passes: bool = True,
+                 integrity_passes: bool = True, clef: bool = True, base_ref: str | None = None) -> Path:
+    """A real variant of `base` written by `surgery.write.write_variant` (rank-1 edit of one down_proj).
 
-    shutil.copytree(base, out)
-    reader = CheckpointReader(out)
-    name = next(n for n in reader.names() if n.endswith("mlp.down_proj.weight"))
-    d_out, d_in = reader.shape(name)
+    `canary`: "after" writes a canary report with a real `check_integrity` result next to the finished
+    folder (as `blaze canary --json` does); "edit" stores a report without integrity through
+    `extra_files`, listed in the manifest (as `blaze edit` does); None writes no report. The report's
+    model outputs are made up (see `canary_report`). `base_ref` overrides the manifest's base reference.
+    """
+    from canaries.integrity import check_integrity
+    from clef_model.release import resolve_release
+    from surgery.patch import Patch, base_identity
+    from surgery.write import write_variant
+
+    release = resolve_release(str(base))
+    reader = CheckpointReader(base)
+    name = next(n for n in reader.names() if n.endswith("mlp.down_proj.weight"))[: -len(".weight")]
+    d_out, d_in = reader.shape(name + ".weight")
     generator = torch.Generator().manual_seed(0)
-    patch = Patch(factors={name[: -len(".weight")]: (torch.randn(d_out, 1, generator=generator),
-                                                     torch.randn(d_in, 1, generator=generator))},
-                  base_identity=None, metadata={})
-    patch.save(out / "blaze_delta.safetensors")
+    u, v = torch.randn(d_out, 1, generator=generator) * 0.05, torch.randn(d_in, 1, generator=generator) * 0.05
+    patch = Patch({name: (u, v)}, base_identity=base_identity(release, [name]), metadata={"behavior": "verbosity"})
+    edit = {"behavior": "verbosity", "spec_hash": "ab" * 32, "method": "steer", "kinds": ["writers"],
+            "layers": [0], "rank": 1, "strength": 0.15, "lambda": 1.0, "strength_mode": "fixed", "sweep": []}
+    extra = ({"blaze_canary.json": json.dumps(canary_report(gate_passes=gate_passes, integrity=None, clef=clef)).encode()}
+             if canary == "edit" else None)
+    write_variant(release, patch, out, manifest_extra=edit, progress=False, extra_files=extra)
     if not clef:
         for side in ("joint_head.safetensors", "joint_head_config.json", "joint_schema_model.py"):
             (out / side).unlink()
-    integrity = check_integrity(out, base) if canary and clef else None
-    if integrity is not None and not integrity_passes:
-        integrity = {**integrity, "passed": False, "problems": ["joint head differs from the base"]}
-    files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(out.iterdir()) if p.is_file()}
-    manifest = {"base": {"ref": base_ref, "revision": "17f0b0ad64efb65d273590632833508766b2aae6"},
-                "behavior": {"name": "verbosity", "spec_hash": "ab" * 32},
-                "method": "steer", "kinds": ["writers"], "layers": [1], "rank": 1, "strength": 0.15, "lambda": 1.0,
-                "edited_tensors": [name], "files": files, **(manifest_extra or {})}
-    (out / "blaze_manifest.json").write_text(json.dumps(manifest, indent=1))
-    if canary:
+    manifest_path = out / "blaze_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    if not clef:
+        for side in ("joint_head.safetensors", "joint_head_config.json", "joint_schema_model.py"):
+            manifest["output"]["files"].pop(side)
+    if base_ref is not None:
+        manifest["base"]["ref"] = base_ref
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    if canary == "after":
+        integrity = check_integrity(out, base) if clef else None
+        if integrity is not None and not integrity_passes:
+            integrity = {**integrity, "passed": False, "problems": ["joint head differs from the base"]}
         report = canary_report(gate_passes=gate_passes, integrity=integrity, clef=clef)
         (out / "blaze_canary.json").write_text(json.dumps(report, indent=1))
     return out
@@ -94,7 +104,7 @@ def make_variant(base: Path, out: Path, *, canary: bool = True, gate_passes: boo
 
 @pytest.fixture()
 def variant(tiny_release: Path, tmp_path: Path) -> Path:
-    return make_variant(tiny_release, tmp_path / "variant")
+    return make_variant(tiny_release, tmp_path / "variant", base_ref="Cloudflare/clef-flash")
 
 
 def test_front_matter(variant: Path):
@@ -137,7 +147,7 @@ def test_card_integrity_hashes_match_files(variant: Path):
 
 
 def test_missing_canary_report_invents_nothing(tiny_release: Path, tmp_path: Path):
-    folder = make_variant(tiny_release, tmp_path / "v", canary=False)
+    folder = make_variant(tiny_release, tmp_path / "v", canary=None)
     card = render_card(folder)
     assert "free-form canary was not run" in card
     assert "typed-decision canary was not run" in card
@@ -154,7 +164,7 @@ def test_plain_causal_lm_card(tiny_release: Path, tmp_path: Path):
 
 
 def test_local_base_has_no_base_model_field(tiny_release: Path, tmp_path: Path):
-    folder = make_variant(tiny_release, tmp_path / "v", base_ref=str(tiny_release))
+    folder = make_variant(tiny_release, tmp_path / "v")
     meta, _ = split_front_matter(render_card(folder))
     assert "base_model" not in meta and "base_model_relation" not in meta
     assert base_hub_id("Cloudflare/clef-flash") == "Cloudflare/clef-flash" and base_hub_id(None) is None

@@ -22,7 +22,7 @@ def _publish(*args: str, env: dict[str, str] | None = None):
 
 @pytest.fixture()
 def variant(tiny_release: Path, tmp_path: Path) -> Path:
-    return make_variant(tiny_release, tmp_path / "variant")
+    return make_variant(tiny_release, tmp_path / "variant", base_ref="Cloudflare/clef-flash")
 
 
 @pytest.fixture()
@@ -94,7 +94,7 @@ def test_token_env_option(variant: Path, hub: HubStandIn, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("spoil, message", [
     ({"gate_passes": False}, "the canary gate did not pass (failed: effect)"),
     ({"integrity_passes": False}, "the canary integrity check failed"),
-    ({"canary": False}, "blaze_canary.json is missing"),
+    ({"canary": None}, "blaze_canary.json is missing"),
 ])
 def test_refuses_failed_checks_unless_forced(tiny_release: Path, tmp_path: Path, hub: HubStandIn, spoil, message):
     folder = make_variant(tiny_release, tmp_path / "bad", **spoil)
@@ -131,7 +131,9 @@ def test_dry_run_works_offline_and_changes_nothing(variant: Path):
     assert result.exit_code == 0, result.output
     for name, size in folder_files(variant):
         line = next(l for l in result.output.splitlines() if l.strip().startswith(name + " "))
-        assert line.split()[1] in (f"{size}", f"{size / 1000:.1f}")
+        value, unit = line.split()[1:3]
+        scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+        assert abs(float(value) * scale - size) <= 0.05 * scale, line  # printed size, rounded to 0.1 unit
     assert "README.md" in result.output and "(model card, generated)" in result.output
     assert "base_model_relation: finetune" in result.output and "## Observed behaviour shift" in result.output
     assert {p: p.stat().st_mtime_ns for p in variant.iterdir()} == before  # no card written, nothing touched
@@ -145,3 +147,34 @@ def test_upload_offline_is_a_clear_error(variant: Path):
 def test_bad_repo_id(variant: Path):
     result = _publish(str(variant), "--repo", "no-namespace", "--dry-run")
     assert result.exit_code == 2 and "invalid repo id" in result.output
+
+
+def test_edit_style_report_uses_manifest_side_file_check(tiny_release: Path, tmp_path: Path, hub: HubStandIn):
+    """`blaze edit` stores its canary report inside the manifest without an integrity verdict."""
+    import json
+
+    folder = make_variant(tiny_release, tmp_path / "edit", canary="edit")
+    assert "blaze_canary.json" in json.loads((folder / "blaze_manifest.json").read_text())["output"]["files"]
+    result = _publish(str(folder), "--repo", "you/edited")
+    assert result.exit_code == 0, result.output
+    assert "side files checked against the base hashes in the manifest: identical" in result.output
+    _assert_same_files(hub, "you/edited", "main", folder)
+
+
+def test_edit_style_report_refuses_changed_joint_head(tiny_release: Path, tmp_path: Path):
+    """A joint head that differs from the base's is refused even when the manifest was re-hashed to match."""
+    import json
+
+    from clef_model.checkpoint import sha256_file
+
+    folder = make_variant(tiny_release, tmp_path / "edit", canary="edit")
+    head = folder / "joint_head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 1
+    head.write_bytes(bytes(data))
+    manifest = json.loads((folder / "blaze_manifest.json").read_text())
+    manifest["output"]["files"][head.name] = sha256_file(head)
+    (folder / "blaze_manifest.json").write_text(json.dumps(manifest))
+    result = _publish(str(folder), "--repo", "you/edited", "--dry-run")
+    assert result.exit_code == 2
+    assert "integrity: joint_head.safetensors: differs from the base's (SHA-256)" in result.output

@@ -260,6 +260,11 @@ def _method_section(variant_dir: Path, manifest: dict[str, Any] | None, spec_nam
         ranks = sorted({rank for _, rank in targets if rank})
         out.append(f"- Edited matrices: {len(targets)}" + (f", rank {_fmt(ranks)} each" if ranks else "")
                    + f" (first: `{targets[0][0]}`)")
+    changes = [lookup(m, "relative_change") for m in (lookup(manifest, "matrices", default={}) or {}).values()
+               if isinstance(m, dict)]
+    changes = [c for c in changes if isinstance(c, (int, float))]
+    if changes:
+        out.append(f"- Relative change ‖ΔW‖/‖W‖ per edited matrix: {min(changes):.4f} to {max(changes):.4f}")
     sweep = lookup(manifest, "sweep", "edit.sweep", "extra.sweep", "metadata.sweep")
     if isinstance(sweep, list) and sweep:
         out.append(f"- Strength chosen automatically from a sweep of {len(sweep)} points on the spec's validation "
@@ -355,12 +360,16 @@ def _integrity_section(variant_dir: Path, manifest: dict[str, Any] | None, repor
         elif name != DELTA and is_clef:
             out.append(f"- `{name}` ({label}): missing from the folder")
     integrity = lookup(report, "integrity")
-    if isinstance(integrity, dict):
-        passed = lookup(integrity, "passed", "ok")
-        if passed is not None:
-            out.append(f"- Canary integrity check against the base: {'passed' if passed else 'FAILED'}")
-        if is_clef and lookup(integrity, "joint_head_identical", "joint_head.identical") is True:
-            out.append("- The joint head is byte-identical to the base's.")
+    passed = lookup(integrity, "passed", "ok") if isinstance(integrity, dict) else None
+    if passed is not None:
+        out.append(f"- Canary integrity check against the base (joint head, release code, side files, only the "
+                   f"edited tensors changed): {'passed' if passed else 'FAILED'}")
+    elif manifest is not None:
+        from variants.publish import side_file_integrity
+
+        same, _problems = side_file_integrity(manifest)
+        out.append("- Side files (joint head, release code, tokenizer, configs, LICENSE) against the base's hashes "
+                   f"recorded in the manifest: {'identical' if same else 'DIFFERENT'}")
     gate = lookup(report, "gate")
     if isinstance(gate, dict) and "passed" in gate:
         out.append(f"- Canary gate: {'passed' if gate['passed'] else 'FAILED'}")
