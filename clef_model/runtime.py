@@ -11,6 +11,7 @@ decoder layers and linear modules, keyed by their on-disk tensor names. Plain Hu
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -101,6 +102,10 @@ class Runtime:
     ) -> "Runtime":
         """Resolve, validate and load a release once (Clef through its own code, else AutoModelForCausalLM)."""
         release = ref if isinstance(ref, Release) else resolve_release(ref, revision)
+        if os.environ.get("BLAZE_QUIET") == "1":
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or default_dtype(device)
         if release.kind == "clef":

@@ -224,3 +224,58 @@ def test_smollm2_embedded_generates_same_text_twice(smollm2_path: Path) -> None:
     assert "Paris" in first.text
     assert first.new_tokens > 0 and first.prompt_tokens == len(runtime.chat_ids("What is the capital of France?"))
     assert "model.layers.29.mlp.down_proj" in runtime.named_linears()
+
+
+def test_cli_help_lists_commands() -> None:
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("generate", "systemone", "fixture"):
+        assert command in result.output
+
+
+def test_cli_systemone_and_generate(tiny_release: Path, tiny_runtime: Runtime, tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    request_file = tmp_path / "request.json"
+    request_file.write_text(json.dumps(INVOICE))
+    runner = CliRunner()
+    result = runner.invoke(main, ["systemone", str(tiny_release), str(request_file), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == tiny_runtime.systemone(INVOICE)
+
+    request_file.write_text(json.dumps([INVOICE, SHORT]))
+    result = runner.invoke(main, ["systemone", str(tiny_release), str(request_file), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout.strip().splitlines()[-1])) == 2
+
+    request_file.write_text(json.dumps({"model": "m", "state": 1, "questions": {}}))
+    result = runner.invoke(main, ["systemone", str(tiny_release), str(request_file), "--device", "cpu"])
+    assert result.exit_code == 2 and "at least one question" in result.output
+
+    result = runner.invoke(main, ["generate", str(tiny_release), "Hello there", "--max-new-tokens", "6", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    expected = tiny_runtime.generate(["Hello there"], max_new_tokens=6)[0].text
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_cli_fixture_and_offline_hub_error(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["fixture", str(tmp_path / "fx"), "--preset", "tiny", "--num-layers", "4"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "fx" / "joint_head.safetensors").is_file()
+    result = runner.invoke(main, ["fixture", str(tmp_path / "fx")])
+    assert result.exit_code == 2 and "not empty" in result.output
+    result = runner.invoke(main, ["generate", "someone/not-cached-model", "Hi"])
+    assert result.exit_code == 2 and "local folder" in result.output
