@@ -382,28 +382,50 @@ def _random_chunks(
         yield memoryview(values.to(dtype).view(torch.uint8).numpy()).cast("B")
 
 
+def _stored_dtype(name: str) -> torch.dtype:
+    """bfloat16, except the linear-attention decay (`A_log`) and gated-norm weights, kept in float32.
+
+    Inferred from the real release: with those two in F32 the 9B layout's byte total equals Clef-Flash's
+    published index `total_size` (19,306,216,416) exactly; all-bf16 falls 7,680 bytes short. It also
+    makes every consumer of fixtures handle a checkpoint of mixed dtypes, as the real one is.
+    """
+    if name.endswith("linear_attn.A_log") or name.endswith("linear_attn.norm.weight"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def fixture_layout(preset: str = "tiny", num_layers: int | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every checkpoint tensor a preset writes, in write order.
+
+    Computed on the meta device (no memory), e.g. to plan benchmarks or check byte totals.
+    """
+    if preset not in PRESETS:
+        raise BlazeError(f"unknown fixture preset {preset!r}; choose one of {', '.join(PRESETS)}.")
+    ids = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    config, _ = _configs(preset, num_layers, ids)
+    return [(name, dtype_name(_stored_dtype(name)), shape) for name, shape in _tensor_layout(config)]
+
+
 def _write_weights(
     folder: Path, config: dict, preset: str, seed: int, progress: bool, tokenizer_size: int
 ) -> dict:
     """Stream every backbone tensor to shards + index; returns the index."""
     from tqdm import tqdm
 
-    dtype = torch.bfloat16
-    layout = _tensor_layout(config)
-    st_dtype = dtype_name(dtype)
+    layout = [(name, shape, _stored_dtype(name)) for name, shape in _tensor_layout(config)]
     writer = ShardedWriter(
         folder,
         max_shard_bytes=_SHARD_BYTES[preset],
-        layout=[(name, st_dtype, shape) for name, shape in layout],
+        layout=[(name, dtype_name(dtype), shape) for name, shape, dtype in layout],
     )
-    total = sum(math.prod(shape) for _, shape in layout) * dtype.itemsize
+    total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in layout)
     with writer, tqdm(
         total=total, unit="B", unit_scale=True, desc=f"fixture {preset} weights", disable=not progress
     ) as bar:
-        for name, shape in layout:
+        for name, shape, dtype in layout:
             vocab_rows = name in ("lm_head.weight", "model.language_model.embed_tokens.weight")
             live = tokenizer_size if vocab_rows else None
-            writer.add_raw(name, st_dtype, shape, _random_chunks(name, shape, seed, dtype, live))
+            writer.add_raw(name, dtype_name(dtype), shape, _random_chunks(name, shape, seed, dtype, live))
             bar.update(math.prod(shape) * dtype.itemsize)
         index = writer.close()
     return index

@@ -126,3 +126,26 @@ def test_refuses_non_empty_output_and_unknown_preset(tiny_release: Path, tmp_pat
         build_fixture(tiny_release, "tiny")
     with pytest.raises(BlazeError, match="preset"):
         build_fixture(tmp_path / "x", "huge")
+
+
+def test_9b_layout_matches_the_real_release_sizes() -> None:
+    from clef_model.checkpoint import tensor_nbytes
+    from clef_model.fixtures import fixture_layout
+
+    layout = fixture_layout("9b")
+    total = sum(tensor_nbytes(dtype, shape) for _, dtype, shape in layout)
+    assert total == 19_306_216_416  # Clef-Flash's published index total_size
+    loaded = [(n, s) for n, _, s in layout if not n.startswith("mtp.")]
+    assert sum(torch.Size(s).numel() for _, s in loaded) == 9_409_813_744  # DESIGN §4
+    shapes = dict((n, s) for n, _, s in layout)
+    prefix = "model.language_model.layers"
+    assert shapes[f"{prefix}.3.self_attn.q_proj.weight"] == (8192, 4096)
+    assert shapes[f"{prefix}.3.self_attn.o_proj.weight"] == (4096, 4096)
+    assert shapes[f"{prefix}.0.linear_attn.out_proj.weight"] == (4096, 4096)
+    assert shapes[f"{prefix}.0.mlp.down_proj.weight"] == (4096, 12288)
+    assert shapes["lm_head.weight"] == (248320, 4096)
+    assert f"{prefix}.31.self_attn.o_proj.weight" in shapes and f"{prefix}.32.mlp.down_proj.weight" not in shapes
+    assert sum(1 for n in shapes if n.startswith("model.visual.blocks.") and n.endswith("norm1.weight")) == 27
+    two = fixture_layout("9b", num_layers=2)
+    assert not any(n.startswith(f"{prefix}.2.") for n, _, _ in two)
+    assert any(n.startswith("mtp.") for n, _, _ in two)
