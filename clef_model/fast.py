@@ -328,7 +328,7 @@ class QwenEngine:
 # SystemOne: graphed backbone + the release's own head
 
 
-def default_buckets(limit: int = 4096, granularity: int = 256) -> tuple[int, ...]:
+def default_buckets(limit: int = 4096, granularity: int = 64) -> tuple[int, ...]:
     """Length buckets for padded SystemOne forwards: multiples of ``granularity`` up to ``limit``."""
     return tuple(range(granularity, limit + 1, granularity))
 
@@ -574,3 +574,74 @@ class StaticGreedyDecoder:
             cut = next((j + 1 for j, tok in enumerate(row) if tok in stop_set), len(row))
             result.append(row[:cut])
         return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runtime hooks: clef_model.runtime.Runtime calls these; each returns None when the reference path
+# should run instead (fast path off, unsupported model, media inputs, batch shapes it does not serve).
+
+
+def enabled(runtime: Any) -> bool:
+    """Whether ``runtime`` should use the fast paths.
+
+    ``BLAZE_FAST=0`` turns them off, ``BLAZE_FAST=1`` turns them on on any device (tests use this on the
+    CPU); by default they run on CUDA only, for Qwen3.5 backbones.
+    """
+    import os
+
+    setting = os.environ.get("BLAZE_FAST", "auto").strip().lower()
+    if setting in ("0", "off", "false", "no"):
+        return False
+    if setting not in ("1", "on", "true", "yes") and getattr(runtime, "device", torch.device("cpu")).type != "cuda":
+        return False
+    cached = runtime.__dict__.get("_fast_supported")
+    if cached is None:
+        cached = is_supported(runtime.model)
+        runtime.__dict__["_fast_supported"] = cached
+    return cached
+
+
+def _engine(runtime: Any) -> QwenEngine:
+    engine = runtime.__dict__.get("_fast_engine")
+    if engine is None:
+        engine = QwenEngine(runtime.model)
+        runtime.__dict__["_fast_engine"] = engine
+    return engine
+
+
+def greedy_rows(runtime: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                stop_ids: Sequence[int]) -> list[list[int]] | None:
+    """New token ids per prompt (each row ends at its first stop id, inclusive), or None for the reference.
+
+    Used by ``Runtime.generate``: same greedy tokens as ``model.generate(do_sample=False)``, with static
+    caches and a CUDA-graph decode step. The decoder (and its caches) is kept on the runtime and
+    regrown in steps of 1024 positions when a longer prompt arrives.
+    """
+    if not enabled(runtime) or not prompts:
+        return None
+    needed = max(len(p) for p in prompts) + max_new_tokens
+    decoder = runtime.__dict__.get("_fast_decoder")
+    if decoder is None or decoder.max_len < needed:
+        runtime.__dict__["_fast_decoder"] = None  # free the old caches before allocating larger ones
+        decoder = StaticGreedyDecoder(runtime.model, max_len=1024 * math.ceil(needed / 1024), engine=_engine(runtime))
+        runtime.__dict__["_fast_decoder"] = decoder
+    return decoder.generate(prompts, max_new_tokens, stop_ids=stop_ids)
+
+
+def clef_logits(runtime: Any, batch: dict) -> list | None:
+    """``ClefModel(batch)`` for a batch of one text-only record, backbone from a CUDA graph; else None.
+
+    Used by ``Runtime`` for SystemOne requests; the release's own joint head scores the hidden states.
+    """
+    clef = getattr(runtime, "clef", None)
+    if clef is None or batch.get("media") or batch["input_ids"].shape[0] != 1 or not enabled(runtime):
+        return None
+    backbone = runtime.__dict__.get("_fast_backbone")
+    if backbone is None:
+        pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
+        backbone = GraphedBackbone(_engine(runtime), pad_token_id=pad)
+        runtime.__dict__["_fast_backbone"] = backbone
+    with torch.inference_mode():
+        hidden = backbone(batch["input_ids"])
+        return clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
+                         backbone.engine.lm_head.weight)

@@ -28,6 +28,11 @@ def release(tmp_path_factory):
     return folder, code, clef, processor
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Relative error ‖a − b‖ / ‖b‖ under ``tol`` (float32 rounding differs between sequence lengths)."""
+    return bool((a - b).norm() / b.norm() < tol)
+
+
 def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(10, 1900, (rows, length), generator=generator)
@@ -49,7 +54,7 @@ def test_right_padding_leaves_real_positions_unchanged(release):
     engine = QwenEngine(release[2].language_model)
     ids = _ids(2, 1, 29)
     padded = torch.cat([ids, torch.zeros(1, 35, dtype=torch.long)], dim=1)
-    assert torch.allclose(engine.hidden_states(padded)[:, :29], engine.hidden_states(ids), atol=1e-5)
+    assert _close(engine.hidden_states(padded)[:, :29], engine.hidden_states(ids))
 
 
 def test_graphed_backbone_pads_to_bucket_on_request(release):
@@ -59,7 +64,7 @@ def test_graphed_backbone_pads_to_bucket_on_request(release):
     ids = _ids(3, 1, 17)
     out = backbone(ids)
     assert out.shape == (1, 17, engine.dims.hidden)
-    assert torch.allclose(out, engine.hidden_states(ids), atol=1e-5)
+    assert _close(out, engine.hidden_states(ids))
 
 
 def _reference_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
@@ -74,12 +79,12 @@ def test_greedy_generation_identical_to_transformers(release):
     decoder = StaticGreedyDecoder(model, max_len=128)
     ids = _ids(4, 2, 33)
     prompts = [ids[0, :19].tolist(), ids[1].tolist(), ids[0, :3].tolist()]  # ragged batch, one prefill
-    fast = decoder.generate(prompts, 20)
-    assert [len(row) for row in fast] == [20, 20, 20]
+    fast = decoder.generate(prompts, 12)
+    assert [len(row) for row in fast] == [12, 12, 12]
     for prompt, row in zip(prompts, fast):
-        assert row == _reference_greedy(model, prompt, 20)
+        assert row == _reference_greedy(model, prompt, 12)
     # the same decoder (its static caches reused) gives the same answer again, alone or batched
-    assert decoder.generate([prompts[1]], 20) == [fast[1]]
+    assert decoder.generate([prompts[1]], 12) == [fast[1]]
 
 
 def test_stop_ids_cut_each_row_after_its_first_stop(release):
@@ -105,7 +110,7 @@ def test_engine_sees_live_weight_edits(release):
     with torch.inference_mode():
         reference = model.model.language_model(input_ids=ids, use_cache=False).last_hidden_state
     after = engine.hidden_states(ids)
-    assert not torch.allclose(after, before, atol=1e-4)
+    assert not _close(after, before, 1e-3)
     assert (after - reference).norm() / reference.norm() < 1e-4
 
 
@@ -139,7 +144,7 @@ def test_fast_systemone_matches_release(release):
     reference = lambda request: code.systemone(clef, processor, request)  # noqa: E731
     fast = FastSystemOne(clef.language_model, clef.head, processor.tokenizer, code, reference,
                          buckets=(128, 256, 512, 1024), pad_to_bucket=True)
-    request = _long_invoice()
+    request = _long_invoice(100)
     want = reference(request)
     got = fast(request)
     assert got["usage"] == want["usage"] and got["model"] == want["model"]
@@ -167,3 +172,32 @@ def test_too_long_generation_is_refused(release):
     decoder = StaticGreedyDecoder(release[2].language_model, max_len=32)
     with pytest.raises(BlazeError, match="max_len"):
         decoder.generate([[5] * 30], 8)
+
+
+def test_runtime_generate_hook_gives_reference_answers(tiny_runtime, monkeypatch):
+    """Runtime.generate through the fast hook (forced on the CPU) returns the reference Generations."""
+    prompts = ["What is the speed of light?", "Name a colour.", [{"role": "user", "content": "Count to three."}]]
+    monkeypatch.setenv("BLAZE_FAST", "0")
+    reference = tiny_runtime.generate(prompts, max_new_tokens=10, batch_size=2)
+    monkeypatch.setenv("BLAZE_FAST", "1")
+    fast = tiny_runtime.generate(prompts, max_new_tokens=10, batch_size=2)
+    assert tiny_runtime.__dict__.get("_fast_decoder") is not None  # the hook really ran
+    assert [g.token_ids for g in fast] == [g.token_ids for g in reference]
+    assert [(g.text, g.hit_limit, g.new_tokens) for g in fast] == [(g.text, g.hit_limit, g.new_tokens) for g in reference]
+
+
+def test_runtime_systemone_hook_agrees_with_reference(tiny_runtime, monkeypatch):
+    request = _long_invoice(60)
+    monkeypatch.setenv("BLAZE_FAST", "0")
+    reference = tiny_runtime.decision_probabilities([request], batch_size=1)[0]
+    monkeypatch.setenv("BLAZE_FAST", "1")
+    fast = tiny_runtime.decision_probabilities([request], batch_size=1)[0]
+    assert tiny_runtime.__dict__.get("_fast_backbone") is not None
+    assert fast.keys() == reference.keys()
+    worst = max(abs(fast[q][o] - reference[q][o]) for q in reference for o in reference[q])
+    assert worst <= 1e-3
+    # off by default on the CPU: the hooks decline and the reference path runs
+    monkeypatch.delenv("BLAZE_FAST")
+    from clef_model import fast as fast_module
+
+    assert fast_module.enabled(tiny_runtime) is False
