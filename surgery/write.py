@@ -34,7 +34,7 @@ from clef_model.errors import BlazeError
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
 from surgery.patch import PATCH_FILE, Patch
 
-_BLOCK_BYTES = 16 * 1024 * 1024  # bytes of stored data per read/compute block
+_BLOCK_BYTES = 4 * 1024 * 1024  # bytes of stored data per read/compute block (small: bounds peak memory)
 _BLAZE_FILES = {PATCH_FILE, MANIFEST_FILE}
 
 
@@ -148,13 +148,13 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: torch.Tensor, v: torc
             in_hash.update(raw)
         tensor_hash.update(raw)
         count = len(raw) // row_bytes
-        old = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(count, cols)
-        old32 = old.float()
-        new = old32.clone().addmm_(u[start : start + count], vt).to(dtype)
-        if not bool(torch.isfinite(new).all()) and bool(torch.isfinite(old).all()):
+        old32 = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(count, cols).float()
+        new = torch.addmm(old32, u[start : start + count], vt).to(dtype)
+        if not bool(torch.isfinite(new).all()) and bool(torch.isfinite(old32).all()):
             raise BlazeError(f"editing {name} overflows {info.dtype} (non-finite values); use a smaller strength.")
-        weight_sq += float(old32.double().pow(2).sum())
-        change_sq += float((new.float() - old32).double().pow(2).sum())
+        weight_sq += float(old32.square().sum(dtype=torch.float64))
+        change_sq += float(new.float().sub_(old32).square_().sum(dtype=torch.float64))
+        del old32
         start += count
         bar.update(len(raw))
         yield tensor_to_bytes(new)
