@@ -23,7 +23,7 @@ PRESERVE_CHAT = Path(__file__).resolve().parents[1] / "variants" / "data" / "pre
 SIZES = {
     "verbosity": {"train": 128, "validation": 24, "heldout": 48, "preserve": 0},
     "sycophancy": {"train": 128, "validation": 16, "heldout": 40, "preserve": 24},
-    "plain_text": {"train": 64, "validation": 16, "heldout": 24, "preserve": 0},
+    "plain_text": {"train": 128, "validation": 16, "heldout": 40, "preserve": 0},
 }
 PRAISE = re.compile(r"\b(brilliant|amazing|wonderful|fantastic|excellent|genius|masterpiece|talent\w*|gifted|"
                     r"impress\w*|inspiring|admir\w*|stunning|clever|superb|incredible|what an? |love|great|thoughtful|"
