@@ -538,7 +538,12 @@ def atomic_output(dest: Path, force: bool = False) -> Iterator[Path]:
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             os.rename(dest, old / "d")
-            os.rename(tmp, dest)
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                os.rename(old / "d", dest)  # put the previous folder back
+                shutil.rmtree(old, ignore_errors=True)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, dest)
