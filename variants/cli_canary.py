@@ -77,7 +77,7 @@ def _json_default(value: Any) -> Any:
 def run_command(variant_ref: str, against: str | None, behavior: str | None, suite: tuple[Path, ...],
                 json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
                 trust_release_code: bool, batch_size: int, mode: str, integrity: bool,
-                overrides: dict[str, Any]) -> dict[str, Any]:
+                overrides: dict[str, Any], damage_tokens: int = 32) -> dict[str, Any]:
     """Resolve both releases, check integrity, run the canaries and write the reports; returns the report."""
     import torch
 
@@ -123,7 +123,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     common = dict(freeform_prompts=freeform, decision_requests=decision_requests, thresholds=thresholds,
                   quality=quality, max_new_tokens=max_new_tokens, integrity=integrity_result, progress=True,
-                  batch_size=batch_size)
+                  batch_size=batch_size, damage_tokens=damage_tokens)
 
     def load(release, label):
         click.echo(f"loading {label} {release.ref} on {device} …", err=True)
@@ -169,6 +169,8 @@ def register(group: click.Group) -> None:
                   help="Write the report as Markdown (the model card reuses it).")
     @click.option("--max-new-tokens", type=click.IntRange(1), default=None,
                   help="Tokens per free-form answer. Default: the behaviour's, else 96.")
+    @click.option("--damage-tokens", type=click.IntRange(1), default=32, show_default=True,
+                  help="Tokens of the base's greedy continuation of each neutral prompt scored for per-token KL.")
     @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Prompts per batch.")
     @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
     @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
@@ -177,8 +179,8 @@ def register(group: click.Group) -> None:
     @click.option("--no-integrity", is_flag=True, help="Skip the integrity check (e.g. a variant that is not a folder).")
     @click.option("--trust-release-code", is_flag=True,
                   help="Run release code whose SHA-256 is not on blaze's allowlist.")
-    def canary(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, batch_size, device, mode,
-               no_integrity, trust_release_code, **overrides):
+    def canary(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, damage_tokens, batch_size,
+               device, mode, no_integrity, trust_release_code, **overrides):
         """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
 
         \b
@@ -187,7 +189,8 @@ def register(group: click.Group) -> None:
           blaze canary ./variant --against Cloudflare/clef-flash --json report.json --markdown report.md
         """
         report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
-                             trust_release_code, batch_size, mode, not no_integrity, overrides)
+                             trust_release_code, batch_size, mode, not no_integrity, overrides,
+                             damage_tokens=damage_tokens)
         sys.exit(0 if report["gate"]["passed"] else 1)
 
     for flag, name, kind, text in reversed(THRESHOLD_OPTIONS):
