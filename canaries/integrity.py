@@ -1,7 +1,8 @@
 """Integrity: a variant is its base plus low-rank deltas, nothing else.
 
 Checks that the joint head (`joint_head.safetensors`) and the release code have the same SHA-256 in both
-releases, that every other side file is byte-identical, that both checkpoints hold the same tensor names,
+releases, that every other side file of the base is byte-identical in the variant (files only the variant has,
+such as its canary report, are listed as added and allowed), that both checkpoints hold the same tensor names,
 shapes and dtypes (else: a variant of another base, refused with BlazeError), and lists the tensors whose raw
 bytes differ, each with its relative change ‖ΔW‖/‖W‖ and the numerical rank of ΔW.
 
@@ -30,7 +31,7 @@ JOINT_HEAD = "joint_head.safetensors"
 # Side files a variant may legitimately differ in: its own manifest/delta/card and the shard index
 # (a re-sharded checkpoint has another index; tensors are compared one by one instead).
 VARIANT_OWN_FILES = {"blaze_manifest.json", "blaze_delta.safetensors", "README.md", "model.safetensors.index.json",
-                     ".gitattributes", "canary_report.json", "canary_report.md"}
+                     ".gitattributes"}
 UNIT_ROUNDOFF = {"BF16": 2.0**-8, "F16": 2.0**-11, "F32": 2.0**-24, "F64": 2.0**-53}
 
 
@@ -127,12 +128,13 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
                 "the base; pass the base it was made from with --against")
 
     files: dict[str, dict[str, Any]] = {}
-    side_names = sorted(set(base.side_files()) | set(variant.side_files()))
-    for name in side_names:
+    base_side = set(base.side_files())
+    added = sorted(name for name in set(variant.side_files()) - base_side if name not in VARIANT_OWN_FILES)
+    for name in sorted(base_side):
         if name in VARIANT_OWN_FILES:
             continue
         b_path, v_path = Path(base.path) / name, Path(variant.path) / name
-        b_hash = sha256_file(b_path) if b_path.is_file() else None
+        b_hash = sha256_file(b_path)
         v_hash = sha256_file(v_path) if v_path.is_file() else None
         files[name] = {"base": b_hash, "variant": v_hash, "equal": b_hash == v_hash}
     joint_head = files.get(JOINT_HEAD)
@@ -170,7 +172,7 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
                 problems.append(f"{label} ({file}) differs from the base")
     for name, entry in files.items():
         if name not in (JOINT_HEAD, RELEASE_CODE) and not entry["equal"]:
-            problems.append(f"side file {name} differs from the base")
+            problems.append(f"side file {name} {'is missing' if entry['variant'] is None else 'differs from the base'}")
     manifest = _read_manifest(variant)
     listed = _manifest_tensors(manifest)
     if listed is not None:
@@ -183,6 +185,7 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
         "joint_head_sha256": joint_head,
         "release_code_sha256": release_code,
         "side_files": files,
+        "added_files": added,  # files only the variant has (its canary report, model card, …): allowed
         "tensors": len(names),
         "identical_tensors": identical,
         "changed_tensors": changed,

@@ -75,3 +75,29 @@ def test_manifest_tensor_hashes_of_another_base_are_refused(tiny_release, tmp_pa
     with pytest.raises(BlazeError, match="another base"):
         check_integrity(variant, tiny_release)
     assert json.loads((variant / "blaze_manifest.json").read_text())["base"]
+
+
+def test_added_report_files_are_allowed_changed_side_files_are_not(tiny_release, tmp_path):
+    variant = make_variant(tiny_release, tmp_path / "variant")
+    (variant / "blaze_canary.json").write_text("{}")
+    result = check_integrity(variant, tiny_release)
+    assert result["passed"] and result["added_files"] == ["blaze_canary.json"]
+    config = variant / "generation_config.json"
+    config.write_text(config.read_text().replace("{", '{"do_sample": true, ', 1))
+    result = check_integrity(variant, tiny_release)
+    assert not result["passed"] and "side file generation_config.json differs from the base" in result["problems"]
+
+
+def test_variant_written_by_surgery_passes_with_its_manifest(tiny_release, tmp_path):
+    from clef_model.release import resolve_release
+    from surgery.patch import Patch, base_identity
+    from surgery.write import write_variant
+
+    base = resolve_release(tiny_release)
+    name = WRITERS[0].removesuffix(".weight")
+    torch.manual_seed(0)
+    patch = Patch({name: (0.05 * torch.randn(64, 2), 0.05 * torch.randn(128, 2))}, base_identity(base, [name]))
+    variant = write_variant(base, patch, tmp_path / "variant", progress=False)
+    result = check_integrity(variant, tiny_release)
+    assert result["passed"], result["problems"]
+    assert [(c["name"], c["rank"]) for c in result["changed_tensors"]] == [(WRITERS[0], 2)]

@@ -40,7 +40,8 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def _manifest_behavior(manifest: dict[str, Any]) -> str | None:
-    value = manifest.get("behavior")
+    edit = manifest.get("edit") if isinstance(manifest.get("edit"), dict) else {}
+    value = manifest.get("behavior") or edit.get("behavior")
     if isinstance(value, dict):
         value = value.get("source") if value.get("source") and Path(str(value["source"])).is_file() else value.get("name")
     return str(value) if value else None
