@@ -77,7 +77,9 @@ def make_variant(base: Path, out: Path, *, canary: str | None = "after", gate_pa
     generator = torch.Generator().manual_seed(0)
     u, v = torch.randn(d_out, 1, generator=generator) * 0.05, torch.randn(d_in, 1, generator=generator) * 0.05
     patch = Patch({name: (u, v)}, base_identity=base_identity(release, [name]), metadata={"behavior": "verbosity"})
-    edit = {"behavior": "verbosity", "spec_hash": "ab" * 32, "method": "steer", "kinds": ["writers"],
+    from variants.spec import load_behavior
+
+    edit = {"behavior": "verbosity", "spec_hash": load_behavior("verbosity").spec_hash, "method": "steer", "kinds": ["writers"],
             "layers": [0], "rank": 1, "strength": 0.15, "lambda": 1.0, "strength_mode": "fixed", "sweep": []}
     extra = ({"blaze_canary.json": json.dumps(canary_report(gate_passes=gate_passes, integrity=None, clef=clef)).encode()}
              if canary == "edit" else None)
@@ -138,6 +140,18 @@ def test_card_says_how_it_was_made_and_how_to_use_it(variant: Path):
     assert "enable_thinking=False" in card and 'snapshot_download("you/clef-flash-concise")' in card
     assert "cross-prompt effects" in card
     assert "License: apache-2.0, inherited from the base model" in card
+
+
+def test_behaviour_description_only_for_the_same_spec(variant: Path):
+    from variants.spec import load_behavior
+
+    spec = load_behavior("verbosity")
+    assert f"Behaviour: **verbosity** — {spec.description.rstrip('.')}." in render_card(variant)
+    manifest = json.loads((variant / "blaze_manifest.json").read_text())
+    manifest["edit"]["spec_hash"] = "0" * 64  # made from another version of the spec
+    (variant / "blaze_manifest.json").write_text(json.dumps(manifest))
+    card = render_card(variant)
+    assert "Behaviour: **verbosity**." in card and spec.description not in card
 
 
 def test_card_integrity_hashes_match_files(variant: Path):

@@ -139,6 +139,19 @@ def _prompt_text(prompt: Any) -> str:
     return str(prompt)
 
 
+def _catalogue_description(name: str, spec_hash: Any) -> str | None:
+    """The shipped behaviour's description, when the manifest's spec hash says it is that very spec."""
+    from variants.spec import SpecError, list_behaviors, load_behavior
+
+    if name not in list_behaviors():
+        return None
+    try:
+        spec = load_behavior(name)
+    except SpecError:
+        return None
+    return spec.description if spec.spec_hash == spec_hash else None
+
+
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
@@ -419,7 +432,9 @@ def render_card(variant_dir: Path, repo_id: str | None = None) -> str:
     spec_name = lookup(manifest, "behavior.name", "behavior", "behaviour", "edit.behavior", "extra.behavior",
                        "metadata.behavior", "spec.name")
     spec_name = spec_name if isinstance(spec_name, str) else None
-    description = lookup(manifest, "behavior.description", "extra.description", "metadata.description")
+    description = lookup(manifest, "edit.description", "behavior.description")
+    if description is None and spec_name:
+        description = _catalogue_description(spec_name, lookup(manifest, "edit.spec_hash", "spec_hash"))
     repo = repo_id or variant_dir.resolve().name
     base_name = hub_base or base_ref or "the base model"
 
@@ -442,7 +457,8 @@ def render_card(variant_dir: Path, repo_id: str | None = None) -> str:
                 + f", a {kind}"
                 + (f" (base revision `{base_revision}`)" if base_revision else "") + ".")
     if spec_name:
-        what.append(f"Behaviour: **{spec_name}**" + (f" — {description}" if isinstance(description, str) else "") + ".")
+        what.append(f"Behaviour: **{spec_name}**" + (f" — {description.rstrip('.')}" if isinstance(description, str)
+                                                      else "") + ".")
     what.append("The behaviour was written into the backbone weights by blaze with "
                 "closed-form, rank-limited edits; no training was done.")
     if is_clef:
