@@ -261,6 +261,11 @@ def write_variant(
     if missing:
         raise BlazeError(f"{base_path}: listed file {missing[0]!r} is missing; the base release is incomplete.")
     side_bytes = sum((base_path / n).stat().st_size for n in side)
+    weights = {p.name for p in reader.shard_files()} | {INDEX_NAME}
+    for name in extra_files or {}:  # checked before anything is written
+        if ("/" in name or name in side or name in _BLAZE_FILES or name in weights or name.startswith(".")
+                or (name.startswith("model") and name.endswith(".safetensors"))):
+            raise BlazeError(f"extra file name {name!r} would clash with a release file; choose another name.")
 
     with atomic_output(out, force=force) as tmp, \
             _progress(reader.total_bytes() + side_bytes, progress, f"writing {out.name}") as bar:
@@ -276,8 +281,6 @@ def write_variant(
         # extra_files: minimal addition by the build engineer (blaze edit stores blaze_canary.json/.md here,
         # so the report is listed and hashed in the manifest before the folder is finalised).
         for name, data in (extra_files or {}).items():
-            if "/" in name or name in side or name in _BLAZE_FILES or name in out_hashes:
-                raise BlazeError(f"extra file name {name!r} would clash with a release file; choose another name.")
             (tmp / name).write_bytes(data)
             out_hashes[name] = sha256_file(tmp / name)
 

@@ -256,3 +256,16 @@ def test_cli_apply_checks_base_identity(base, variant, tmp_path):
 
     result = runner.invoke(main, ["apply", str(anonymous), "--base", str(base.path), "--out", str(tmp_path / "y")])
     assert result.exit_code == 2 and "not empty" in result.output
+
+
+def test_extra_files_are_written_and_listed(base, variant, tmp_path):
+    out, patch = variant
+    report = b'{"gate": {"passed": true}}'
+    written = write_variant(base, patch, tmp_path / "with", progress=False,
+                            extra_files={"blaze_canary.json": report})
+    assert (written / "blaze_canary.json").read_bytes() == report
+    assert verify_manifest(written) == []
+    for bad in ("LICENSE", "model-00001-of-00001.safetensors", "blaze_manifest.json", "../escape.txt"):
+        with pytest.raises(BlazeError, match="would clash"):
+            write_variant(base, patch, tmp_path / "bad", progress=False, extra_files={bad: b"x"})
+        assert _siblings(tmp_path / "bad") == ["with"]
