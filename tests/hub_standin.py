@@ -4,9 +4,10 @@ It serves, on 127.0.0.1, the endpoints that ``HfApi.create_repo``, ``create_bran
 ``upload_folder``/``create_commit`` call (checked against huggingface_hub 2.4's client code):
 
 - ``POST /api/repos/create``                              create a model repo (409 + url when it exists)
+- ``GET  /api/models/{repo}[/revision/{rev}]``            repo info (after a commit with nothing new)
 - ``POST /api/validate-yaml``                             README front matter check (parsed with PyYAML)
 - ``POST /api/models/{repo}/branch/{branch}``             create a branch from main (or ``startingPoint``)
-- ``POST /api/models/{repo}/preupload/{revision}``        upload mode per file: "lfs" or "regular"
+- ``POST /api/models/{repo}/preupload/{revision}``        upload mode per file ("lfs"/"regular") + current oid
 - ``POST /{repo}.git/info/lfs/objects/batch``             LFS batch: basic transfer, or multipart over a size
 - ``PUT  /_lfs/{oid}`` / ``PUT /_lfs/{oid}/part/{n}``      object upload (sha256 checked) / one part
 - ``POST /_lfs/{oid}/complete`` / ``POST /_lfs/{oid}/verify``   multipart completion / verify
@@ -255,11 +256,29 @@ def _preupload(h: _Handler, body: bytes, repo_id: str, revision: str):
     h._require_auth()
     h._repo(repo_id, revision)
     files = []
+    folder = h.hub.branch_dir(repo_id, revision)
     for item in _json(body).get("files", []):
         path, size = item["path"], int(item["size"])
         lfs = size >= h.hub.lfs_threshold or path.endswith(LFS_SUFFIXES)
-        files.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": None})
+        stored = folder / path
+        oid = None
+        if stored.is_file():  # the Hub reports the current oid so unchanged files are skipped
+            data = stored.read_bytes()
+            oid = hashlib.sha256(data).hexdigest() if lfs else _git_blob_sha1(data)
+        files.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
     return 200, {"files": files, "commitOid": "0" * 40}, None
+
+
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _repo_info(h: _Handler, body: bytes, repo_id: str, revision: str = "main"):
+    repo = h._repo(repo_id, revision)
+    folder = h.hub.branch_dir(repo_id, revision)
+    siblings = [{"rfilename": p.relative_to(folder).as_posix()} for p in sorted(folder.rglob("*")) if p.is_file()]
+    return 200, {"id": repo_id, "modelId": repo_id, "sha": repo["branches"][revision], "private": repo["private"],
+                 "siblings": siblings}, None
 
 
 def _lfs_batch(h: _Handler, body: bytes, repo_id: str):
@@ -380,6 +399,8 @@ def _commit(h: _Handler, body: bytes, repo_id: str, revision: str):
 _REPO = r"([^/]+/[^/]+)"
 _ROUTES = [
     (r"/api/repos/create", "POST", _create_repo),
+    (rf"/api/models/{_REPO}", "GET", _repo_info),
+    (rf"/api/models/{_REPO}/revision/([^/]+)", "GET", _repo_info),
     (r"/api/validate-yaml", "POST", _validate_yaml),
     (rf"/api/models/{_REPO}/branch/([^/]+)", "POST", _create_branch),
     (rf"/api/models/{_REPO}/preupload/([^/]+)", "POST", _preupload),

@@ -178,3 +178,14 @@ def test_edit_style_report_refuses_changed_joint_head(tiny_release: Path, tmp_pa
     result = _publish(str(folder), "--repo", "you/edited", "--dry-run")
     assert result.exit_code == 2
     assert "integrity: joint_head.safetensors: differs from the base's (SHA-256)" in result.output
+
+
+def test_republishing_unchanged_folder_uploads_nothing(variant: Path, hub: HubStandIn):
+    first = _publish(str(variant), "--repo", "you/concise")
+    assert first.exit_code == 0, first.output
+    before = len(hub.requests)
+    again = _publish(str(variant), "--repo", "you/concise")
+    assert again.exit_code == 0, again.output
+    later = hub.requests[before:]
+    assert not [r for r in later if r.method == "PUT" or "/commit/" in r.path]  # every file's oid matched
+    _assert_same_files(hub, "you/concise", "main", variant)
