@@ -179,8 +179,10 @@ def test_plain_causal_lm_card(tiny_release: Path, tmp_path: Path):
 
 def test_local_base_has_no_base_model_field(tiny_release: Path, tmp_path: Path):
     folder = make_variant(tiny_release, tmp_path / "v")
-    meta, _ = split_front_matter(render_card(folder))
+    meta, body = split_front_matter(render_card(folder))
     assert "base_model" not in meta and "base_model_relation" not in meta
+    assert f"A behaviour variant of `{tiny_release.name}`" in body
+    assert str(tiny_release.parent) not in body  # no local paths on a public card
     assert base_hub_id("Cloudflare/clef-flash") == "Cloudflare/clef-flash" and base_hub_id(None) is None
 
 

@@ -436,7 +436,8 @@ def render_card(variant_dir: Path, repo_id: str | None = None) -> str:
     if description is None and spec_name:
         description = _catalogue_description(spec_name, lookup(manifest, "edit.spec_hash", "spec_hash"))
     repo = repo_id or variant_dir.resolve().name
-    base_name = hub_base or base_ref or "the base model"
+    # a local base folder is named by its folder name only: the card must not leak this machine's paths
+    base_name = hub_base or (Path(base_ref).name if base_ref else None) or "the base model"
 
     meta: dict[str, Any] = {}
     if hub_base:
@@ -452,8 +453,8 @@ def render_card(variant_dir: Path, repo_id: str | None = None) -> str:
     what = [f"# {repo}", "", CARD_MARKER, "", "## What this variant is", ""]
     kind = ("Clef-Flash-style typed-decision release (a Qwen3.5 backbone plus a joint schema head)" if is_clef
             else "causal language model")
-    what.append(f"A behaviour variant of [{base_name}]"
-                + (f"(https://huggingface.co/{hub_base})" if hub_base else "")
+    what.append("A behaviour variant of "
+                + (f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"`{base_name}`")
                 + f", a {kind}"
                 + (f" (base revision `{base_revision}`)" if base_revision else "") + ".")
     if spec_name:
