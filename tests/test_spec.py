@@ -120,11 +120,18 @@ def _broken(mutate) -> str:
     (lambda d: d["preserve"].append(3), "preserve[1]: must be a string or a list of chat messages"),
     (lambda d: d["directions"].append(copy.deepcopy(d["directions"][0])),
      "directions: direction name 'concise' is used more than once"),
-    (lambda d: d["directions"][0]["pairs"]["train"][0].__setitem__("unwanted", "100 °C at sea level."),
-     "directions[0].pairs.train[0]: wanted and unwanted are identical"),
 ])
 def test_broken_spec_names_the_field(mutate, expected):
     assert expected in _broken(mutate)
+
+
+def test_identical_answers_need_a_system_contrast():
+    data = copy.deepcopy(TINY)
+    data["directions"][0]["pairs"]["train"][0]["unwanted"] = data["directions"][0]["pairs"]["train"][0]["wanted"]
+    parse_behavior(data)  # the direction's two system prompts are the contrast
+    data["directions"][0].pop("unwanted_system")
+    with pytest.raises(SpecError, match=r"directions\[0\]\.pairs\.train\[0\]: wanted and unwanted are identical"):
+        parse_behavior(data)
 
 
 def test_all_problems_reported_at_once():

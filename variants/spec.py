@@ -396,8 +396,6 @@ class _Validator:
         prompt = self.prompt(raw.get("prompt", _MISSING), f"{where}.prompt")
         wanted = self.text(raw.get("wanted", _MISSING), f"{where}.wanted")
         unwanted = self.text(raw.get("unwanted", _MISSING), f"{where}.unwanted")
-        if wanted is not None and unwanted is not None and wanted == unwanted:
-            self.fail(where, "wanted and unwanted are identical: a pair must contrast two answers")
         if None in (prompt, wanted, unwanted):
             return None
         return TrainPair(prompt, wanted, unwanted)
@@ -424,6 +422,12 @@ class _Validator:
         if "train" in pairs_raw and isinstance(pairs_raw["train"], list) and not pairs_raw["train"]:
             self.fail(f"{where}.pairs.train", "needs at least one pair")
         validation = self.items(pairs_raw.get("validation", []), f"{where}.pairs.validation", self.item)
+        system_contrast = bool(wanted_system and unwanted_system and wanted_system != unwanted_system)
+        if not system_contrast and isinstance(pairs_raw.get("train"), list):
+            for i, entry in enumerate(pairs_raw["train"]):
+                if isinstance(entry, dict) and entry.get("wanted") and entry.get("wanted") == entry.get("unwanted"):
+                    self.fail(f"{where}.pairs.train[{i}]", "wanted and unwanted are identical: without two "
+                              "different system prompts a pair must contrast two answers")
         if name is None:
             return None
         return Direction(name, Pairs(train, validation), wanted_system, unwanted_system)
