@@ -9,8 +9,8 @@ Two kinds of statistics are kept (never raw activations):
   behaviour keys (response positions of both sides of every pair), the same over preserved keys
   (every position of the typed-decision requests and of neutral chat text), and per-pair key means.
 
-Moments are accumulated on the runtime's device in float32 (CUDA) or float64 (CPU) through forward
-hooks; the final ``lm_head`` is never run. A :class:`Statistics` object saves to one file with
+Moments are accumulated on the runtime's device through forward hooks: each batch's product in float32,
+the running sums in float32 (CUDA, memory) or float64 (CPU); the final ``lm_head`` is never run. A :class:`Statistics` object saves to one file with
 ``torch.save`` so a strength sweep or a second build reuses it.
 """
 
@@ -187,8 +187,12 @@ class _Collector:
             handle.remove()
         self.handles = []
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1]).index_select(0, self.flat).to(self.acc)
+    def _rows(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.flat).to(dtype or self.acc)
+
+    def _moment(self, rows32: torch.Tensor) -> torch.Tensor:
+        """This batch's Σ k kᵀ: the product runs in float32 (fast), the running sum is kept in ``acc``."""
+        return (rows32.T @ rows32).to(self.acc)
 
     def _residual_hook(self, layer: int):
         def hook(_module, _inputs, output):
@@ -203,7 +207,8 @@ class _Collector:
 
     def _key_hook(self, name: str):
         def hook(_module, inputs):
-            rows = self._rows(inputs[0])
+            rows32 = self._rows(inputs[0], torch.float32)
+            rows = rows32.to(self.acc)
             d = rows.shape[1]
             acc = self.key.get(name)
             if acc is None:
@@ -214,12 +219,12 @@ class _Collector:
                 }
             if self.mode == "behaviour":
                 acc["b_sum"] += rows.sum(0)
-                acc["b_mom"].addmm_(rows.T, rows)
+                acc["b_mom"] += self._moment(rows32)
                 acc["b_n"] += rows.shape[0]
                 acc["pair_sum"].index_add_(0, self.side * self.n_pairs + self.pair, rows)
             else:
                 acc["p_sum"] += rows.sum(0)
-                acc["p_mom"].addmm_(rows.T, rows)
+                acc["p_mom"] += self._moment(rows32)
                 acc["p_n"] += rows.shape[0]
         return hook
 
