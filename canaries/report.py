@@ -162,7 +162,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             out.append(f"- `{request['id']}`" + (" (image)" if request.get("image") else "") + ": "
                        + "; ".join(f"`{line}`" for line in request["lines"]))
     else:
-        out.append(f"Typed-decision canaries {decisions.get('reason', 'were not run')}.")
+        out.append(f"Typed-decision canaries: {decisions.get('reason', 'not run')}.")
     out += ["", "### Integrity", ""] + [f"- {line}" for line in _integrity_lines(report.get("integrity"))]
     out += ["", "### Gate", "", "| check | value | threshold | passed |", "|---|---|---|---|"]
     out += [f"| {c['name']} | {_fmt(c['value'], 4)} | {c['op']} {_fmt(c['threshold'], 4)} | "

@@ -21,7 +21,7 @@ def small_suites():
     """A few items of every shipped suite (the model-card invoice and the image request included)."""
     requests = default_decision_suite()
     return dict(freeform_prompts=freeform_suite()[:3], damage_tokens=6,
-                decision_requests=[requests[0], requests[3], next(r for r in requests if r.get("images"))],
+                decision_requests=[requests[0], requests[3]],
                 neutral_prompts=neutral_prompts()[:2], neutral_texts=neutral_texts()[:2])
 
 
@@ -61,7 +61,7 @@ def test_edited_variant_full_default_suites(tiny_runtime):
     cache = MemoryCache()
     started = time.process_time()  # CPU seconds of all threads: fair on a shared 2-core machine
     report = run_canary(variant, ModelView(tiny_runtime, label="base"), freeform_prompts=freeform_suite(),
-                        max_new_tokens=16, progress=False, base_cache=cache, base_key="tiny")
+                        max_new_tokens=16, damage_tokens=16, progress=False, base_cache=cache, base_key="tiny")
     cpu_seconds = time.process_time() - started
     json.loads(json.dumps(report))                                       # plain JSON data throughout
     assert set(report) >= REPORT_KEYS and cpu_seconds < 2 * 120           # 2 cores × 2 minutes
@@ -95,7 +95,7 @@ def test_edited_variant_full_default_suites(tiny_runtime):
     assert 0 <= calibration["variant"]["ece"] <= 1 and 0 <= calibration["variant"]["brier"] <= 2
 
     again = run_canary(variant, ModelView(tiny_runtime, label="base"), freeform_prompts=freeform_suite(),
-                       max_new_tokens=16, progress=False, base_cache=cache, base_key="tiny")
+                       max_new_tokens=16, damage_tokens=16, progress=False, base_cache=cache, base_key="tiny")
     assert again["meta"]["base_from_cache"] and not report["meta"]["base_from_cache"]
     assert again["damage"]["summary"] == report["damage"]["summary"]
     assert again["decisions"]["summary"] == report["decisions"]["summary"]
@@ -138,7 +138,7 @@ def small_suite_files(tmp_path_factory):
                             for p in suites["freeform_prompts"]))
     requests = folder / "requests.jsonl"
     requests.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "images"}) + "\n"
-                                for r in suites["decision_requests"][:2]))
+                                for r in suites["decision_requests"][:1]))
     return chat, requests
 
 
@@ -159,20 +159,11 @@ def test_cli_passes_writes_json_and_markdown(tiny_release, cli_variant, small_su
     assert set(report) >= REPORT_KEYS
     assert report["integrity"]["passed"]
     assert {c["name"] for c in report["integrity"]["changed_tensors"]} == set(WRITERS)
-    assert len(report["decisions"]["requests"]) == 2
+    assert len(report["decisions"]["requests"]) == 1
     assert report["freeform"]["prompts"][0]["source"] == "behavior"
     markdown = (tmp_path / "r.md").read_text()
     assert "**Prompt:** What is the speed of light?" in markdown and "picks" in markdown
     assert "gate: PASSED" in result.output
-
-
-def test_cli_tight_threshold_fails_with_exit_1(tiny_release, cli_variant, small_suite_files):
-    chat, requests = small_suite_files
-    result = invoke(cli_variant, "--against", tiny_release, "--suite", chat, "--suite", requests,
-                    "--max-new-tokens", 4, "--device", "cpu", "--damage-tokens", 4, "--max-first-token-kl", 0, "--max-decision-drift", 1,
-                    "--max-argmax-flips", 100, "--max-mean-token-kl", 10)
-    assert result.exit_code == 1, result.output
-    assert "FAIL] first_token_kl" in result.output and "gate: FAILED (first_token_kl)" in result.output
 
 
 def test_cli_bad_input_exits_2(tiny_release, cli_variant, tmp_path):
@@ -194,11 +185,13 @@ def test_cli_refuses_a_variant_of_another_base(tiny_release, tmp_path):
     assert result.exit_code == 2 and "not a variant of" in result.output
 
 
-def test_cli_altered_joint_head_fails_integrity(tiny_release, tmp_path, small_suite_files):
+def test_cli_tight_threshold_and_altered_joint_head_fail_with_exit_1(tiny_release, tmp_path, small_suite_files):
     chat, requests = small_suite_files
-    variant = make_variant(tiny_release, tmp_path / "variant", relative=0.01, alter_head=True)
+    variant = make_variant(tiny_release, tmp_path / "variant", relative=0.05, alter_head=True)
     result = invoke(variant, "--against", tiny_release, "--suite", chat, "--suite", requests, "--max-new-tokens", 4,
-                    "--device", "cpu", "--damage-tokens", 4, "--max-first-token-kl", 10, "--max-mean-token-kl", 10,
+                    "--device", "cpu", "--damage-tokens", 4, "--max-first-token-kl", 0, "--max-mean-token-kl", 10,
                     "--max-decision-drift", 1, "--max-argmax-flips", 100)
-    assert result.exit_code == 1
-    assert "joint head (joint_head.safetensors) differs" in result.output and "FAILED (integrity)" in result.output
+    assert result.exit_code == 1, result.output
+    assert "FAIL] first_token_kl" in result.output                      # the tightened threshold
+    assert "joint head (joint_head.safetensors) differs" in result.output  # and integrity
+    assert "gate: FAILED (first_token_kl, integrity)" in result.output
