@@ -359,12 +359,11 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def _random_chunks(
-    name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, live_rows: int | None = None
+    name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, zero_rows: torch.Tensor | None = None
 ) -> Iterator[memoryview]:
     """The tensor's values as raw bytes, generated in bounded chunks of rows (never the whole tensor).
 
-    Rows from `live_rows` on are zero: the vocabulary padding beyond the tokenizer, so a zero `lm_head`
-    row (logit 0) never beats the real tokens' random logits and generation only emits real tokens.
+    Rows where the boolean mask `zero_rows` is set are written as zeros (see `_zero_vocab_rows`).
     """
     kind, a, b = _init_rule(name, shape)
     generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
@@ -377,8 +376,8 @@ def _random_chunks(
             values = torch.empty(count).uniform_(a, b, generator=generator).log_()
         else:
             values = torch.randn(count, generator=generator).mul_(b).add_(a)
-        if live_rows is not None and start + rows_per_chunk > live_rows:
-            values.view(-1, row_elements)[max(0, live_rows - start) :] = 0
+        if zero_rows is not None:
+            values.view(-1, row_elements)[zero_rows[start : start + rows_per_chunk]] = 0
         yield memoryview(values.to(dtype).view(torch.uint8).numpy()).cast("B")
 
 
@@ -406,9 +405,31 @@ def fixture_layout(preset: str = "tiny", num_layers: int | None = None) -> list[
     return [(name, dtype_name(_stored_dtype(name)), shape) for name, shape in _tensor_layout(config)]
 
 
-def _write_weights(
-    folder: Path, config: dict, preset: str, seed: int, progress: bool, tokenizer_size: int
-) -> dict:
+def _zero_vocab_rows(name: str, rows: int, tokenizer: Any) -> torch.Tensor | None:
+    """Vocabulary rows written as zeros, for `embed_tokens` and `lm_head`.
+
+    Both: the padding rows beyond the tokenizer (as in Qwen's padded vocabulary). `lm_head` also: tokens
+    that decode to control characters or to a lone byte of a multi-byte character, so the random model's
+    greedy text stays printable. A zero `lm_head` row has logit 0, which never beats the largest of the
+    other tokens' random logits, so those tokens are never generated.
+    """
+    if name not in ("lm_head.weight", "model.language_model.embed_tokens.weight"):
+        return None
+    mask = torch.zeros(rows, dtype=torch.bool)
+    size = len(tokenizer)
+    mask[size:] = True
+    if name == "lm_head.weight":
+        special = set(tokenizer.all_special_ids)
+        for token_id in range(min(size, rows)):
+            if token_id in special:
+                continue
+            text = tokenizer.decode([token_id])
+            if "\ufffd" in text or any(ord(ch) < 32 and ch not in "\n\t" for ch in text) or "\x7f" in text:
+                mask[token_id] = True
+    return mask
+
+
+def _write_weights(folder: Path, config: dict, preset: str, seed: int, progress: bool, tokenizer: Any) -> dict:
     """Stream every backbone tensor to shards + index; returns the index."""
     from tqdm import tqdm
 
@@ -423,9 +444,8 @@ def _write_weights(
         total=total, unit="B", unit_scale=True, desc=f"fixture {preset} weights", disable=not progress
     ) as bar:
         for name, shape, dtype in layout:
-            vocab_rows = name in ("lm_head.weight", "model.language_model.embed_tokens.weight")
-            live = tokenizer_size if vocab_rows else None
-            writer.add_raw(name, dtype_name(dtype), shape, _random_chunks(name, shape, seed, dtype, live))
+            zero_rows = _zero_vocab_rows(name, shape[0], tokenizer)
+            writer.add_raw(name, dtype_name(dtype), shape, _random_chunks(name, shape, seed, dtype, zero_rows))
             bar.update(math.prod(shape) * dtype.itemsize)
         index = writer.close()
     return index
@@ -476,6 +496,8 @@ def build_fixture(
         raise BlazeError(f"unknown fixture preset {preset!r}; choose one of {', '.join(PRESETS)}.")
     if progress is None:
         progress = os.environ.get("BLAZE_QUIET") != "1"
+    from transformers import AutoTokenizer
+
     release_code = vendored_release_code()
     out = Path(out)
     with atomic_output(out, force=force) as tmp:
@@ -492,7 +514,7 @@ def build_fixture(
                 "transformers_version": config["transformers_version"],
             },
         )
-        _write_weights(tmp, config, preset, seed, progress, tokenizer_size=max(ids.values()) + 1)
+        _write_weights(tmp, config, preset, seed, progress, AutoTokenizer.from_pretrained(tmp))
         _write_json(tmp / "joint_head_config.json", head_config)
         _write_head(tmp, head_config, seed, release_code)
         copy_file(release_code, tmp / RELEASE_CODE_FILE)

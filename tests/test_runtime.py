@@ -279,3 +279,26 @@ def test_cli_fixture_and_offline_hub_error(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "not empty" in result.output
     result = runner.invoke(main, ["generate", "someone/not-cached-model", "Hi"])
     assert result.exit_code == 2 and "local folder" in result.output
+
+
+def test_qwen35_checkpoint_without_head_is_a_causal_lm(tiny_release: Path, tiny_runtime: Runtime, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "qwen35"
+    shutil.copytree(tiny_release, folder)
+    for name in ("joint_head.safetensors", "joint_head_config.json", "joint_schema_model.py"):
+        (folder / name).unlink()
+    runtime = Runtime.load(str(folder), device="cpu")
+    assert (runtime.release.kind, runtime.release.architecture) == ("causal_lm", "qwen3_5")
+    assert type(runtime.model).__name__ == "Qwen3_5ForCausalLM"
+    # same on-disk names as the Clef backbone, and the same greedy tokens
+    assert set(runtime.named_linears()) == {n for n in tiny_runtime.named_linears() if not n.startswith("model.visual.")}
+    prompt = ["Explain rain."]
+    assert runtime.generate(prompt, max_new_tokens=6)[0].token_ids == tiny_runtime.generate(prompt, max_new_tokens=6)[0].token_ids
+    with pytest.raises(BlazeError, match="plain causal LM"):
+        runtime.systemone(SHORT)
+
+
+def test_tiny_generations_are_printable(tiny_runtime: Runtime) -> None:
+    for generation in tiny_runtime.generate(["What is the speed of light?", "Name three colours."], max_new_tokens=24):
+        assert all(ch.isprintable() or ch in "\n\t" for ch in generation.text) and "\ufffd" not in generation.text
