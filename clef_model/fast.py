@@ -17,7 +17,8 @@ What it provides:
 - :class:`GraphedBackbone` — ``hidden_states`` for batch 1, padded to a length bucket and replayed from
   a CUDA graph captured once per bucket (eager on CPU).
 - :class:`FastSystemOne` — the release's ``systemone`` answer with the backbone swapped for
-  :class:`GraphedBackbone`; the release's own joint head and answer formatting are reused unchanged.
+  :class:`GraphedBackbone` and, for Cloudflare's allowlisted release code, the joint head computed by
+  :func:`head_logits` (the same modules, vectorised, no host syncs); answer formatting is the release's.
 - :class:`StaticGreedyDecoder` — greedy generation with a CUDA-graph decode step per batch size.
 
 Equivalence with the reference path is checked by ``tests/test_fast.py`` (CPU, float32 fixtures) and
@@ -127,6 +128,17 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv of ``x [B, C, T]`` with ``weight [C, K]`` as K shifted multiply-adds (float32)."""
+    kernel, t = weight.shape[-1], x.shape[-1]
+    padded = F.pad(x, (kernel - 1, 0)).float()
+    w = weight.float()
+    out = padded[..., kernel - 1 : kernel - 1 + t] * w[:, kernel - 1 : kernel]
+    for j in range(kernel - 1):
+        out = out + padded[..., j : j + t] * w[:, j : j + 1]
+    return out
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -211,7 +223,9 @@ class QwenEngine:
             if cache is not None:
                 cache.keys[layer][:b, :, :t].copy_(k)
                 cache.values[layer][:b, :, :t].copy_(v)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+            rep = self.dims.heads // self.dims.kv_heads  # expanded K/V keep SDPA on its flash kernel
+            out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                                 is_causal=True, scale=attn.scaling)
         else:  # one new token per row at step_pos[row]
             rows = torch.arange(b, device=x.device)
             cache.keys[layer][rows, :, step_pos] = k[:, :, 0]
@@ -262,7 +276,7 @@ class QwenEngine:
                 ends = (lengths if lengths is not None else torch.full((b,), t, device=x.device)) + kernel - 1
                 idx = ends[:, None] - torch.arange(kernel - 1, 0, -1, device=x.device)[None, :]
                 cache.conv[layer][:b].copy_(torch.gather(padded, 2, idx[:, None, :].expand(-1, padded.shape[1], -1)))
-            conv = F.silu(F.conv1d(mixed, weight.unsqueeze(1), None, padding=kernel - 1, groups=mixed.shape[1])[..., :t])
+            conv = F.silu(_causal_conv(mixed, weight)).to(x.dtype)
         conv = conv.transpose(1, 2)
         q, k, v = torch.split(conv, [d.k_heads * d.k_dim, d.k_heads * d.k_dim, d.v_heads * d.v_dim], dim=-1)
         q = q.reshape(b, t, d.k_heads, d.k_dim)
@@ -401,6 +415,116 @@ class GraphedBackbone:
         return out[:, :length]
 
 
+@dataclass
+class HeadPlan:
+    """Index tensors describing one encoded record, built on the host before the backbone runs.
+
+    Built ahead so the head can be queued without host syncs while the backbone graph still runs:
+    averaging matrices for question spans ``[Q, L]``, option spans ``[O, L]`` and option tokens
+    ``[O, n]`` (float32), the option tokens' ids ``[n]``, each option's question ``[O]``, each
+    question's type ``[Q]``, question/option membership ``[Q, O]`` and the options per question.
+    """
+
+    length: int
+    question_mean: torch.Tensor
+    option_mean: torch.Tensor
+    token_mean: torch.Tensor
+    token_ids: torch.Tensor
+    option_question: torch.Tensor
+    types: torch.Tensor
+    member: torch.Tensor
+    counts: list[int]
+
+
+def head_plan(record: Any, device: torch.device) -> HeadPlan:
+    """The :class:`HeadPlan` of one release ``EncodedRecord`` (text only)."""
+    length = len(record.input_ids)
+    spans_q = [q.question_span for q in record.questions]
+    spans_o = [span for q in record.questions for span in q.option_spans]
+    counts = [len(q.option_spans) for q in record.questions]
+
+    def averaging(spans: list[tuple[int, int]], width: int) -> torch.Tensor:
+        matrix = torch.zeros(len(spans), width)
+        for row, (start, end) in enumerate(spans):
+            matrix[row, start:end] = 1.0 / (end - start)
+        return matrix
+
+    token_ids = [record.input_ids[i] for start, end in spans_o for i in range(start, end)]
+    offsets, spans_tok = 0, []
+    for start, end in spans_o:
+        spans_tok.append((offsets, offsets + end - start))
+        offsets += end - start
+    option_question = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    member = torch.zeros(len(counts), len(spans_o), dtype=torch.bool)
+    member[option_question, torch.arange(len(spans_o))] = True
+    move = lambda t: t.to(device)  # noqa: E731
+    return HeadPlan(
+        length=length,
+        question_mean=move(averaging(spans_q, length)),
+        option_mean=move(averaging(spans_o, length)),
+        token_mean=move(averaging(spans_tok, len(token_ids))),
+        token_ids=move(torch.tensor(token_ids, dtype=torch.long)),
+        option_question=move(option_question),
+        types=move(torch.tensor([q.question_type for q in record.questions], dtype=torch.long)),
+        member=move(member),
+        counts=counts,
+    )
+
+
+def head_logits(head: torch.nn.Module, hidden: torch.Tensor, plan: HeadPlan,
+                output_embedding: torch.Tensor) -> list[torch.Tensor]:
+    """The release ``JointSchemaHead``'s per-question option logits for one record, vectorised.
+
+    Same modules and the same function of the hidden states as the release head, computed for all
+    questions and options at once (span means as averaging matmuls in float32, per-question routing as a
+    masked softmax) instead of Python loops with host syncs. ``hidden``: ``[L, hidden]`` of that record.
+    """
+    dtype = hidden.dtype
+    seq = head.hidden_norm(hidden[: plan.length])
+    seq32 = seq.float()
+    memory = head.memory_projection(seq).unsqueeze(0)
+    global_vector = seq[-1]
+    questions = (plan.question_mean @ seq32).to(dtype)
+    contexts = (plan.option_mean @ seq32).to(dtype)
+    lexical = (plan.token_mean @ output_embedding[plan.token_ids].float()).to(dtype)
+    routed = (head.option_context_projection(contexts) + head.option_lexical_projection(lexical)
+              + head.option_question_projection(questions)[plan.option_question]).unsqueeze(0)
+    for layer in head.evidence_layers:
+        routed = layer(routed, memory)
+    routed = routed[0]
+    base = head.question_projection(questions)
+    scores = (base @ routed.T) / math.sqrt(routed.shape[-1])
+    weights = torch.softmax(scores.masked_fill(~plan.member, float("-inf")), dim=-1)
+    summaries = weights.to(routed.dtype) @ routed
+    fields = (base + head.option_summary_norm(summaries) + head.global_projection(global_vector).unsqueeze(0)
+              + head.type_embedding(plan.types)).unsqueeze(0)
+    for layer in head.layers:
+        fields = layer(fields, memory)
+    fields = head.field_norm(fields[0])
+    anchor = F.normalize(questions + global_vector, dim=-1)[plan.option_question]
+    lexical_anchor = F.normalize(lexical, dim=-1)
+    prior = head.prior_logit_scale.clamp(max=math.log(100.0)).exp() * (lexical_anchor * anchor).sum(-1)
+    options = head.option_norm(routed)
+    field = fields[plan.option_question]
+    cosine = F.cosine_similarity(field, options, dim=-1)
+    features = torch.cat([field, options, field * options, torch.abs(field - options)], dim=-1)
+    residual = head.residual_scorer(features).squeeze(-1)
+    joint = head.joint_logit_scale.clamp(max=math.log(100.0)).exp() * cosine + residual
+    logits = prior + torch.sigmoid(head.residual_gate) * joint
+    return list(torch.split(logits, plan.counts))
+
+
+def known_head(release_code: ModuleType | None) -> bool:
+    """Whether ``release_code`` is Cloudflare's allowlisted release code, whose head :func:`head_logits`
+    re-expresses; for any other (trusted) code the release's own head runs."""
+    from pathlib import Path
+
+    from clef_model.trust import is_known_release_code
+
+    path = getattr(release_code, "__file__", None)
+    return bool(path) and is_known_release_code(Path(path))
+
+
 class FastSystemOne:
     """The release's ``systemone`` with the backbone run by :class:`GraphedBackbone`.
 
@@ -413,7 +537,7 @@ class FastSystemOne:
     def __init__(self, backbone_model: torch.nn.Module, head: torch.nn.Module, tokenizer: Any,
                  release_code: ModuleType, reference: Callable[[dict], dict], *, processor: Any = None,
                  buckets: Sequence[int] = default_buckets(), use_graphs: bool | None = None,
-                 pad_to_bucket: bool | None = None) -> None:
+                 pad_to_bucket: bool | None = None, vector_head: bool | None = None) -> None:
         self.engine = QwenEngine(backbone_model)
         self.head = head
         self.tokenizer = tokenizer
@@ -423,6 +547,7 @@ class FastSystemOne:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.backbone = GraphedBackbone(self.engine, buckets=buckets, pad_token_id=pad, use_graphs=use_graphs,
                                         pad_to_bucket=pad_to_bucket)
+        self.vector_head = vector_head if vector_head is not None else known_head(release_code)
 
     def _plain(self, request: dict) -> bool:
         questions = request.get("questions")
@@ -443,9 +568,13 @@ class FastSystemOne:
         """Encode ``request`` and return ``(encoded record, per-question option probabilities)``."""
         encoded = self.code.encode_record(self.tokenizer, request, max_length=max_length)
         batch = self.code.collate_records([encoded], self.tokenizer.pad_token_id or 0, self.engine.device)
-        hidden = self.backbone(batch["input_ids"])
-        logits = self.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
-                           self.engine.lm_head.weight)[0]
+        plan = head_plan(encoded, self.engine.device) if self.vector_head else None
+        hidden = self.backbone(batch["input_ids"])  # queued; the head below queues behind it, no host sync
+        if plan is not None:
+            logits = head_logits(self.head, hidden[0], plan, self.engine.lm_head.weight)
+        else:
+            logits = self.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
+                               self.engine.lm_head.weight)[0]
         probs = [dict(zip(q.option_ids, lg.float().softmax(-1).tolist())) for q, lg in zip(encoded.questions, logits)]
         return encoded, probs
 
@@ -641,7 +770,14 @@ def clef_logits(runtime: Any, batch: dict) -> list | None:
         pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
         backbone = GraphedBackbone(_engine(runtime), pad_token_id=pad)
         runtime.__dict__["_fast_backbone"] = backbone
+    vector = runtime.__dict__.get("_fast_vector_head")
+    if vector is None:
+        vector = known_head(getattr(runtime, "release_code", None))
+        runtime.__dict__["_fast_vector_head"] = vector
     with torch.inference_mode():
+        plan = head_plan(batch["records"][0], backbone.engine.device) if vector else None
         hidden = backbone(batch["input_ids"])
+        if plan is not None:
+            return [head_logits(clef.head, hidden[0], plan, backbone.engine.lm_head.weight)]
         return clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
                          backbone.engine.lm_head.weight)

@@ -201,3 +201,28 @@ def test_runtime_systemone_hook_agrees_with_reference(tiny_runtime, monkeypatch)
     from clef_model import fast as fast_module
 
     assert fast_module.enabled(tiny_runtime) is False
+
+
+def test_vectorised_head_matches_release_head(release):
+    """head_logits (all questions at once, no host syncs) equals the release's JointSchemaHead loops."""
+    from canaries.suites import default_decision_suite
+
+    from clef_model.fast import head_logits, head_plan, known_head
+
+    _, code, clef, processor = release
+    assert known_head(code)
+    tokenizer = processor.tokenizer
+    requests = [_long_invoice(30)] + [{k: r[k] for k in ("model", "state", "questions")}
+                                     for r in default_decision_suite()[:6]]
+    backbone = clef.language_model
+    weight = backbone.get_output_embeddings().weight
+    with torch.inference_mode():
+        for request in requests:
+            record = code.encode_record(tokenizer, request)
+            batch = code.collate_records([record], tokenizer.pad_token_id, torch.device("cpu"))
+            hidden = backbone.model.language_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+            want = clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"], weight)[0]
+            got = head_logits(clef.head, hidden[0], head_plan(record, torch.device("cpu")), weight)
+            assert [g.shape for g in got] == [w.shape for w in want]
+            for g, w in zip(got, want):
+                assert torch.allclose(g, w, atol=1e-4, rtol=1e-4), (g, w)
