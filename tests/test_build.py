@@ -1,0 +1,167 @@
+"""`blaze edit` end to end on the tiny Clef fixture: variant folder, canary report inside, sweep, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from clef_model.checkpoint import CheckpointReader
+from clef_model.errors import BlazeError
+from surgery.manifest import read_manifest, verify_manifest
+from variants import build as build_mod
+from variants.build import BuildOptions, build_variant, sweep_strength
+
+PAIRS = [
+    {"prompt": "What is the boiling point of water?", "wanted": "100 °C.",
+     "unwanted": "Great question! Water boils at 100 degrees Celsius at sea level, or 212 °F."},
+    {"prompt": "How many legs does a spider have?", "wanted": "Eight.",
+     "unwanted": "Spiders are arachnids, and like all arachnids they have eight legs in total."},
+    {"prompt": "Who wrote Hamlet?", "wanted": "Shakespeare.",
+     "unwanted": "Hamlet was written by William Shakespeare around 1600; it is a famous tragedy."},
+]
+
+
+def small_spec(tmp_path, **defaults):
+    spec = {
+        "name": "tiny-concise", "version": 1, "description": "Test behaviour: shorter answers.",
+        "directions": [{"name": "concise", "wanted_system": "Answer briefly.", "unwanted_system": "Answer at length.",
+                        "pairs": {"train": PAIRS,
+                                  "validation": [{"prompt": "What is 2+2?", "keywords": ["4", "four"]}]}}],
+        "heldout": [{"prompt": "What is the capital of France?", "keywords": ["Paris"]}],
+        "preserve": ["Write a haiku about rain."],
+        "quality": "keywords",
+        "defaults": {"method": "steer", "kinds": ["writers"], "layers": "2-4", "rank": 1, "strength": 0.2,
+                     "strength_grid": [0.05, 0.1], "lambda": 1.0, "threshold": 0.01, "max_new_tokens": 8,
+                     **defaults},
+        "gate": {"min_effect": 0.0, "effect": "none"},
+    }
+    path = tmp_path / "tiny-concise.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tiny_release, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("build")
+    spec = small_spec(tmp)
+    outs = []
+    for i in range(2):
+        out = tmp / f"variant{i}"
+        build_variant(BuildOptions(behavior=str(spec), out=out, base=str(tiny_release), device="cpu", canary=False,
+                                   cache_dir=tmp / "cache", progress=False), echo=lambda _m: None)
+        outs.append(out)
+    return outs
+
+
+def test_variant_is_drop_in_and_only_targets_change(built, tiny_release):
+    out = built[0]
+    base, variant = CheckpointReader(tiny_release), CheckpointReader(out)
+    assert (out / "joint_head.safetensors").read_bytes() == (tiny_release / "joint_head.safetensors").read_bytes()
+    manifest = read_manifest(out)
+    edited = set(manifest["edited_tensors"])
+    assert len(edited) == 6 and all(".layers.2." in n or ".layers.3." in n or ".layers.4." in n for n in edited)
+    assert set(base.names()) == set(variant.names())
+    for name in base.names():
+        same = base.raw_bytes(name) == variant.raw_bytes(name)
+        assert same == (name not in edited), name
+    from surgery.patch import Patch
+
+    patch = Patch.load(out / "blaze_delta.safetensors")
+    for name in edited:
+        matrix = name[: -len(".weight")]
+        assert patch.rank(matrix) == 1 and patch.numerical_rank(matrix) <= 1
+        assert manifest["matrices"][matrix]["numerical_rank"] <= 1
+        w = base.tensor(name).double()
+        delta = variant.tensor(name).double() - w
+        eps = torch.finfo(variant.tensor(name).dtype).eps
+        # the stored delta is U Vᵀ up to rounding W + U Vᵀ to the stored dtype
+        assert (delta - patch.delta(matrix).double()).abs().max() <= 2 * eps * (w.abs().max() + delta.abs().max())
+    assert verify_manifest(out) == []
+    edit = manifest["edit"]
+    assert edit["strength"] == 0.2 and edit["strength_mode"] == "fixed" and edit["method"] == "steer"
+    assert edit["spec_hash"] and edit["layers"] == [2, 3, 4]
+
+
+def test_two_runs_give_identical_shards(built):
+    a, b = built
+    shards = sorted(p.name for p in a.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in b.glob("*.safetensors"))
+    for name in shards:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_refuses_non_empty_out_and_bad_layers(tiny_release, tmp_path):
+    spec = small_spec(tmp_path)
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "x").write_text("keep me")
+    with pytest.raises(BlazeError, match="not empty"):
+        build_variant(BuildOptions(behavior=str(spec), out=out, base=str(tiny_release), canary=False),
+                      echo=lambda _m: None)
+    assert (out / "x").read_text() == "keep me"
+    from variants.cli import main
+
+    result = CliRunner().invoke(main, ["edit", "--behavior", str(spec), "--out", str(tmp_path / "o"), "--base",
+                                       str(tiny_release), "--layers", "2-99", "--no-canary", "--device", "cpu"])
+    assert result.exit_code == 2 and "out of range" in result.output
+    assert not (tmp_path / "o").exists()
+    result = CliRunner().invoke(main, ["edit", "--behavior", "no-such-behaviour", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+
+
+def test_sweep_keeps_strongest_passing_point_and_stops_on_damage(monkeypatch):
+    """Selection logic of --strength auto, with canned canary reports standing in for real canary runs."""
+    verdicts = {0.05: [], 0.1: [], 0.2: ["loops"], 0.3: []}
+    seen = []
+
+    def fake_run_canary(view, base, **kwargs):
+        strength = float(view.label.split()[-1])
+        seen.append(strength)
+        failed = verdicts[strength]
+        return {"gate": {"passed": not failed, "failed": failed,
+                         "checks": [{"name": "loops", "value": 0.5 if failed else 0.0}]}}
+
+    import canaries.run
+
+    monkeypatch.setattr(canaries.run, "run_canary", fake_run_canary)
+
+    class Spec:
+        name = "x"
+        quality = None
+
+        class gate:  # noqa: N801
+            @staticmethod
+            def to_dict():
+                return {}
+
+        @staticmethod
+        def validation_items():
+            return [{"prompt": "q", "keywords": ["a"]}]
+
+    settings = {"grid": [0.05, 0.1, 0.2, 0.3], "max_new_tokens": 4}
+    best, rows = sweep_strength(object(), None, Spec, settings, solve_patch=lambda s: None, echo=lambda _m: None,
+                                progress=False)
+    assert best == 0.1 and seen == [0.05, 0.1, 0.2]          # 0.3 never tried after a damage failure
+    assert [r["passed"] for r in rows] == [True, True, False]
+    verdicts.update({0.05: ["effect"], 0.1: ["effect"], 0.2: ["effect"], 0.3: ["effect"]})
+    with pytest.raises(BlazeError, match="no strength in the grid passed"):
+        sweep_strength(object(), None, Spec, settings, solve_patch=lambda s: None, echo=lambda _m: None,
+                       progress=False)
+
+
+@pytest.mark.slow
+def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
+    """--strength auto on the fixture with the real canary runner: a sweep table and a report in the folder."""
+    spec = small_spec(tmp_path, strength="auto")
+    out = tmp_path / "auto"
+    result = build_variant(BuildOptions(behavior=str(spec), out=out, base=str(tiny_release), device="cpu",
+                                        cache_dir=tmp_path / "cache", progress=False), echo=lambda _m: None)
+    assert result.sweep and result.strength in (0.05, 0.1)
+    manifest = read_manifest(out)
+    assert manifest["edit"]["strength_mode"] == "auto" and len(manifest["edit"]["sweep"]) >= 1
+    report = json.loads((out / build_mod.CANARY_JSON).read_text())
+    assert "gate" in report and (out / build_mod.CANARY_MD).is_file()
+    assert verify_manifest(out) == []
