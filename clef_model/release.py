@@ -202,8 +202,7 @@ def _download(repo_id: str, revision: str | None) -> tuple[Path, str | None]:
             f"cannot download {repo_id} ({error}); check the network, or pass a local folder holding the release."
         ) from None
     folder = Path(folder)
-    commit = folder.name if revision is None or len(folder.name) == 40 else revision
-    return folder, commit
+    return folder, folder.name  # snapshot folders are named by the resolved commit
 
 
 def resolve_release(ref: str | Path, revision: str | None = None) -> Release:

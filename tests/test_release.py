@@ -107,3 +107,20 @@ def test_plain_causal_lm_layout(tmp_path: Path, tiny_release: Path) -> None:
         shutil.copy(tiny_release / name, folder / name)
     with pytest.raises(ReleaseError, match="model.safetensors"):
         resolve_release(folder)
+
+
+def test_hub_id_resolves_from_the_local_hub_cache_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_release: Path
+) -> None:
+    commit = "17f0b0ad64efb65d273590632833508766b2aae6"
+    repo = tmp_path / "hub" / "models--Cloudflare--clef-flash"
+    shutil.copytree(tiny_release, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    release = resolve_release("Cloudflare/clef-flash")
+    assert release.revision == commit and release.kind == "clef"
+    assert release.path == repo / "snapshots" / commit
+    pinned = resolve_release("Cloudflare/clef-flash", revision=commit)
+    assert pinned.path == release.path
