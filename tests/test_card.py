@@ -154,6 +154,20 @@ def test_behaviour_description_only_for_the_same_spec(variant: Path):
     assert "Behaviour: **verbosity**." in card and spec.description not in card
 
 
+def test_sweep_table(variant: Path):
+    manifest = json.loads((variant / "blaze_manifest.json").read_text())
+    manifest["edit"]["sweep"] = [
+        {"strength": 0.1, "passed": True, "failed": [], "effect": 0.31, "first_token_kl": 0.02},
+        {"strength": 0.15, "passed": True, "failed": [], "effect": 0.45, "first_token_kl": 0.05},
+        {"strength": 0.2, "passed": False, "failed": ["loops"], "effect": 0.6, "first_token_kl": 0.09},
+    ]
+    (variant / "blaze_manifest.json").write_text(json.dumps(manifest))
+    card = render_card(variant)
+    assert "| strength | gate | effect | first_token_kl |" in card
+    assert "| 0.15 (chosen) | pass | 0.45 | 0.05 |" in card
+    assert "| 0.2 | fail: loops | 0.6 | 0.09 |" in card
+
+
 def test_card_integrity_hashes_match_files(variant: Path):
     card = render_card(variant)
     for name in ("joint_head.safetensors", "joint_schema_model.py", "blaze_delta.safetensors"):

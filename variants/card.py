@@ -280,10 +280,26 @@ def _method_section(variant_dir: Path, manifest: dict[str, Any] | None, spec_nam
         out.append(f"- Relative change ‖ΔW‖/‖W‖ per edited matrix: {min(changes):.4f} to {max(changes):.4f}")
     sweep = lookup(manifest, "sweep", "edit.sweep", "extra.sweep", "metadata.sweep")
     if isinstance(sweep, list) and sweep:
-        out.append(f"- Strength chosen automatically from a sweep of {len(sweep)} points on the spec's validation "
-                   "split (never its held-out canary prompts); the table is in `blaze_manifest.json`.")
+        out.append(f"- Strength chosen automatically: the strongest of {len(sweep)} grid points that passed the "
+                   "canary gate on the spec's validation split (never its held-out canary prompts):")
+        out.append("")
+        out += _sweep_table(sweep, lookup(manifest, "edit.strength", "strength"))
     out.append("")
     return out
+
+
+def _sweep_table(sweep: list, chosen: Any) -> list[str]:
+    """The strength sweep as a markdown table: gate verdict and the measured values of each point."""
+    rows = [row for row in sweep if isinstance(row, dict) and "strength" in row]
+    skip = {"strength", "passed", "failed"}
+    columns = [key for key in dict.fromkeys(k for row in rows for k in row) if key not in skip]
+    lines = ["| strength | gate | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for row in rows:
+        mark = " (chosen)" if row["strength"] == chosen else ""
+        verdict = "pass" if row.get("passed") else "fail: " + ", ".join(map(str, row.get("failed") or []))
+        cells = [_fmt(row[c]) if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append(f"| {_fmt(row['strength'])}{mark} | {verdict} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _edited_matrices(variant_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, int]]:
