@@ -64,13 +64,13 @@ def is_supported(model: torch.nn.Module) -> bool:
     return bool(types) and set(types) <= {"linear_attention", "full_attention"}
 
 
-def _fla_chunk() -> Callable | None:
-    """flash-linear-attention's chunked gated-delta-rule kernel, or None when not installed."""
+def _fla(name: str) -> Callable | None:
+    """A flash-linear-attention gated-delta-rule kernel (``chunk_…`` or ``fused_recurrent_…``), or None."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops import gated_delta_rule
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
-    return chunk_gated_delta_rule
+    return getattr(gated_delta_rule, f"{name}_gated_delta_rule", None)
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,15 @@ class StaticCache:
     recurrent: dict[int, torch.Tensor]
 
 
+def _eps(norm: torch.nn.Module) -> float:
+    """The epsilon of a transformers RMSNorm module (its attribute name varies between classes)."""
+    for name in ("eps", "variance_epsilon"):
+        value = getattr(norm, name, None)
+        if value is not None:
+            return float(value)
+    return 1e-6
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -156,7 +165,8 @@ class QwenEngine:
     CUDA when importable); the decode step is plain torch so it captures cleanly in a CUDA graph.
     """
 
-    def __init__(self, model: torch.nn.Module, *, use_fla: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, use_fla: bool | None = None, fused_norms: bool | None = None,
+                 conv: str = "conv1d", fla_decode: bool | None = None) -> None:
         if not is_supported(model):
             raise BlazeError("fast path: model is not a Qwen3.5 hybrid text backbone; use the reference path")
         self.model = model
@@ -165,10 +175,16 @@ class QwenEngine:
         self.layers = list(self.text.layers[: len(self.dims.layer_types)])
         weight = self.text.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        chunk = _fla_chunk() if (use_fla is not False and self.device.type == "cuda") else None
+        chunk = _fla("chunk") if (use_fla is not False and self.device.type == "cuda") else None
         if use_fla and chunk is None:
             raise BlazeError("fast path: use_fla=True but flash-linear-attention is not importable on CUDA")
         self._chunk = chunk
+        self._recurrent = _fla("fused_recurrent") if (chunk is not None and fla_decode is not False) else None
+        # one fused RMSNorm kernel instead of ~7 elementwise ones (same formula; default on CUDA)
+        self.fused_norms = self.device.type == "cuda" if fused_norms is None else fused_norms
+        if conv not in ("conv1d", "shift"):
+            raise BlazeError(f"fast path: conv must be 'conv1d' or 'shift' (got {conv!r})")
+        self.conv = conv
         rotary = self.text.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().to(device=self.device, dtype=torch.float32)
         self._rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
@@ -177,6 +193,19 @@ class QwenEngine:
     def uses_fla(self) -> bool:
         """Whether the DeltaNet prefill runs flash-linear-attention's kernel."""
         return self._chunk is not None
+
+    def _rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3.5's zero-centred RMSNorm (x · rsqrt(mean x² + eps) · (1 + w), in float32)."""
+        if not self.fused_norms:
+            return norm(x)
+        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + norm.weight.float(), _eps(norm)).to(x.dtype)
+
+    def _gated_norm(self, norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Gated DeltaNet's output norm: w · RMSNorm(x) · silu(gate)."""
+        if not self.fused_norms:
+            return norm(x, gate)
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, _eps(norm)).to(x.dtype)
+        return (norm.weight * h * F.silu(gate.float())).to(x.dtype)
 
     # -- caches --------------------------------------------------------------------------------------
 
@@ -207,8 +236,8 @@ class QwenEngine:
         d = self.dims
         b, t, _ = x.shape
         q, gate = torch.chunk(attn.q_proj(x).view(b, t, d.heads, 2 * d.head_dim), 2, dim=-1)
-        q = attn.q_norm(q).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(b, t, d.kv_heads, d.head_dim)).transpose(1, 2)
+        q = self._rms(attn.q_norm, q).transpose(1, 2)
+        k = self._rms(attn.k_norm, attn.k_proj(x).view(b, t, d.kv_heads, d.head_dim)).transpose(1, 2)
         v = attn.v_proj(x).view(b, t, d.kv_heads, d.head_dim).transpose(1, 2)
         rot = cos.shape[-1]
         q = torch.cat((q[..., :rot] * cos + _rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
@@ -276,7 +305,11 @@ class QwenEngine:
                 ends = (lengths if lengths is not None else torch.full((b,), t, device=x.device)) + kernel - 1
                 idx = ends[:, None] - torch.arange(kernel - 1, 0, -1, device=x.device)[None, :]
                 cache.conv[layer][:b].copy_(torch.gather(padded, 2, idx[:, None, :].expand(-1, padded.shape[1], -1)))
-            conv = F.silu(_causal_conv(mixed, weight)).to(x.dtype)
+            if self.conv == "shift":
+                conv = F.silu(_causal_conv(mixed, weight)).to(x.dtype)
+            else:
+                conv = F.silu(F.conv1d(mixed, weight.unsqueeze(1), None, padding=kernel - 1,
+                                       groups=mixed.shape[1])[..., :t])
         conv = conv.transpose(1, 2)
         q, k, v = torch.split(conv, [d.k_heads * d.k_dim, d.k_heads * d.k_dim, d.v_heads * d.v_dim], dim=-1)
         q = q.reshape(b, t, d.k_heads, d.k_dim)
@@ -290,14 +323,33 @@ class QwenEngine:
         if self._chunk is not None and not step:
             out, final = self._chunk(q, k, v, g=g, beta=beta, initial_state=None,
                                      output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+        elif self._recurrent is not None and step and self._try_recurrent(q, k, v, g, beta, state):
+            out, final = self._recurrent_out  # one fused kernel per layer and step (l2norm, decay, update)
         else:
             init = state if state is not None else torch.zeros(
                 b, d.v_heads, d.k_dim, d.v_dim, device=x.device, dtype=torch.float32)
             out, final = self._delta_recurrence(q, k, v, g, beta, init)
         if cache is not None:
             cache.recurrent[layer][:b].copy_(final)
-        out = la.norm(out.to(x.dtype).reshape(-1, d.v_dim), z.reshape(-1, d.v_dim))
+        out = self._gated_norm(la.norm, out.to(x.dtype).reshape(-1, d.v_dim), z.reshape(-1, d.v_dim))
         return la.out_proj(out.reshape(b, t, -1))
+
+    def _try_recurrent(self, q, k, v, g, beta, state) -> bool:
+        """Run fla's fused recurrent step; on any error fall back to the torch recurrence for good.
+
+        The first decode step runs eagerly (warm-up before graph capture), so a kernel that does not
+        work on this machine is found there, never inside a capture.
+        """
+        try:
+            self._recurrent_out = self._recurrent(q, k, v, g=g, beta=beta, initial_state=state,
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+            return True
+        except Exception as error:  # noqa: BLE001 - any failure: use the reference recurrence
+            import warnings
+
+            warnings.warn(f"fast path: fla fused recurrent step failed ({error}); using the torch recurrence")
+            self._recurrent = None
+            return False
 
     # -- public forwards -----------------------------------------------------------------------------
 
@@ -305,14 +357,14 @@ class QwenEngine:
         h = self.text.embed_tokens(input_ids)
         cos, sin = self._rope(positions)
         for i, (layer, kind) in enumerate(zip(self.layers, self.dims.layer_types)):
-            y = layer.input_layernorm(h)
+            y = self._rms(layer.input_layernorm, h)
             if kind == "full_attention":
                 y = self._attention(layer.self_attn, y, cos, sin, cache, i, step_pos)
             else:
                 y = self._linear(layer.linear_attn, y, cache, i, lengths, step=step_pos is not None)
             h = h + y
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.text.norm(h)
+            h = h + layer.mlp(self._rms(layer.post_attention_layernorm, h))
+        return self._rms(self.text.norm, h)
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -748,13 +800,29 @@ def greedy_rows(runtime: Any, prompts: Sequence[Sequence[int]], max_new_tokens: 
     """
     if not enabled(runtime) or not prompts:
         return None
-    needed = max(len(p) for p in prompts) + max_new_tokens
-    decoder = runtime.__dict__.get("_fast_decoder")
-    if decoder is None or decoder.max_len < needed:
-        runtime.__dict__["_fast_decoder"] = None  # free the old caches before allocating larger ones
-        decoder = StaticGreedyDecoder(runtime.model, max_len=1024 * math.ceil(needed / 1024), engine=_engine(runtime))
-        runtime.__dict__["_fast_decoder"] = decoder
-    return decoder.generate(prompts, max_new_tokens, stop_ids=stop_ids)
+    try:
+        needed = max(len(p) for p in prompts) + max_new_tokens
+        decoder = runtime.__dict__.get("_fast_decoder")
+        if decoder is None or decoder.max_len < needed:
+            runtime.__dict__["_fast_decoder"] = None  # free the old caches before allocating larger ones
+            decoder = StaticGreedyDecoder(runtime.model, max_len=1024 * math.ceil(needed / 1024),
+                                          engine=_engine(runtime))
+            runtime.__dict__["_fast_decoder"] = decoder
+        return decoder.generate(prompts, max_new_tokens, stop_ids=stop_ids)
+    except BlazeError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a fast-path failure must never break generation
+        _give_up(runtime, "generate", error)
+        return None
+
+
+def _give_up(runtime: Any, what: str, error: Exception) -> None:
+    """Turn the fast paths off for ``runtime`` after a failure, say so once, keep the reason."""
+    import warnings
+
+    runtime.__dict__["_fast_supported"] = False
+    runtime.__dict__["_fast_failed"] = f"{what}: {type(error).__name__}: {error}"
+    warnings.warn(f"blaze fast path disabled ({runtime.__dict__['_fast_failed']}); using the reference path")
 
 
 def clef_logits(runtime: Any, batch: dict) -> list | None:
@@ -774,10 +842,14 @@ def clef_logits(runtime: Any, batch: dict) -> list | None:
     if vector is None:
         vector = known_head(getattr(runtime, "release_code", None))
         runtime.__dict__["_fast_vector_head"] = vector
-    with torch.inference_mode():
-        plan = head_plan(batch["records"][0], backbone.engine.device) if vector else None
-        hidden = backbone(batch["input_ids"])
-        if plan is not None:
-            return [head_logits(clef.head, hidden[0], plan, backbone.engine.lm_head.weight)]
-        return clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
-                         backbone.engine.lm_head.weight)
+    try:
+        with torch.inference_mode():
+            plan = head_plan(batch["records"][0], backbone.engine.device) if vector else None
+            hidden = backbone(batch["input_ids"])
+            if plan is not None:
+                return [head_logits(clef.head, hidden[0], plan, backbone.engine.lm_head.weight)]
+            return clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
+                             backbone.engine.lm_head.weight)
+    except Exception as error:  # noqa: BLE001 - a fast-path failure must never break SystemOne
+        _give_up(runtime, "systemone", error)
+        return None

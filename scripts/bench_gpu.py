@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -85,6 +86,23 @@ def summary_ms(values: list[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values]
     return {"median_ms": round(statistics.median(ms), 2), "p95_ms": round(pct(ms, 0.95), 2),
             "min_ms": round(min(ms), 2), "n": len(ms)}
+
+
+@contextlib.contextmanager
+def fast_setting(value: str | None):
+    """Set BLAZE_FAST (None: unset, i.e. the default) for the block: "0" = stock reference paths."""
+    before = os.environ.get("BLAZE_FAST")
+    if value is None:
+        os.environ.pop("BLAZE_FAST", None)
+    else:
+        os.environ["BLAZE_FAST"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("BLAZE_FAST", None)
+        else:
+            os.environ["BLAZE_FAST"] = before
 
 
 def free_gpu() -> None:
@@ -291,12 +309,30 @@ def section_systemone(args, loaded: Loaded) -> None:
     request, tokens = invoice_request(loaded.tokenizer, loaded.code, args.s1_tokens)
     out["input_tokens"] = tokens
     say(f"systemone: invoice request padded to {tokens} tokens; kernels {out['kernels']}")
-    ref = loaded.reference
+    plain_ref = loaded.reference
+
+    def ref(r):
+        with fast_setting("0"):  # the reference path, also when it is Runtime.systemone (hooks declined)
+            return plain_ref(r)
+
     for _ in range(args.s1_warmup):
         ref(request)
     stock = [timed(lambda: ref(request))[1] for _ in range(args.s1_repeats)]
     out["stock"] = summary_ms(stock)
     say(f"systemone stock: {out['stock']}")
+    if loaded.runtime is not None and DEVICE == "cuda":  # the product path: Runtime.systemone with its hooks
+        try:
+            with fast_setting(None):
+                for _ in range(args.s1_warmup):
+                    plain_ref(request)
+                hooked = [timed(lambda: plain_ref(request))[1] for _ in range(args.s1_repeats)]
+                out["runtime_fast"] = summary_ms(hooked)
+                out["runtime_fast_agreement"] = _max_abs_diff(ref(request), plain_ref(request))
+                out["runtime_fast_failed"] = loaded.runtime.__dict__.get("_fast_failed")
+            say(f"systemone Runtime.systemone (fast hooks): {out['runtime_fast']}")
+        except Exception as error:  # noqa: BLE001
+            out["runtime_fast_error"] = f"{type(error).__name__}: {error}"
+            say(f"Runtime fast hook FAILED: {traceback.format_exc()}")
     # split of the stock path: encode on the CPU, backbone forward, head
     code, tok = loaded.code, loaded.tokenizer
     encode = [timed(lambda: code.encode_record(tok, request))[1] for _ in range(10)]
@@ -324,8 +360,14 @@ def section_systemone(args, loaded: Loaded) -> None:
             hidden = fast.backbone(batch["input_ids"])
             head = [timed(lambda: loaded.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
                                               fast.engine.lm_head.weight))[1] for _ in range(20)]
+            from clef_model.fast import head_logits, head_plan
+
+            vhead = [timed(lambda: head_logits(loaded.head, hidden[0], head_plan(enc, fast.engine.device),
+                                               fast.engine.lm_head.weight))[1] for _ in range(20)]
         out["fast_split"] = {"backbone_graph": summary_ms(replay), "backbone_engine_eager": summary_ms(eager),
-                             "head": summary_ms(head)}
+                             "head_release": summary_ms(head), "head_vectorised": summary_ms(vhead),
+                             "bucket": fast.backbone.bucket_for(tokens), "vector_head": fast.vector_head}
+        out["engine_variants"] = engine_variants(loaded, batch["input_ids"], tokens)
         diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)]
         out["agreement_max_abs_diff"] = max(diffs)
         out["agreement_requests"] = len(diffs)
@@ -336,6 +378,40 @@ def section_systemone(args, loaded: Loaded) -> None:
     RESULTS["systemone"] = out
     del fast
     free_gpu()
+
+
+ENGINE_VARIANTS = {
+    "conv1d+module_norms": dict(fused_norms=False, conv="conv1d"),
+    "conv1d+fused_norms": dict(fused_norms=True, conv="conv1d"),
+    "shift+fused_norms": dict(fused_norms=True, conv="shift"),
+    "shift+module_norms": dict(fused_norms=False, conv="shift"),
+}
+
+
+@torch.inference_mode()
+def engine_variants(loaded: Loaded, input_ids: torch.Tensor, tokens: int) -> dict[str, Any]:
+    """Graph-replay time of the SystemOne backbone for each engine option, and its error vs transformers."""
+    from clef_model.fast import GraphedBackbone, QwenEngine
+
+    text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
+        else loaded.backbone.model
+    reference = text(input_ids=input_ids, use_cache=False).last_hidden_state.float()
+    results = {}
+    for name, options in ENGINE_VARIANTS.items():
+        try:
+            graphed = GraphedBackbone(QwenEngine(loaded.backbone, **options))
+            graphed.warm([tokens])
+            for _ in range(3):
+                graphed(input_ids)
+            times = [timed(lambda: graphed(input_ids))[1] for _ in range(20)]
+            error = float((graphed(input_ids).float() - reference).norm() / reference.norm())
+            results[name] = {**summary_ms(times), "rel_error_vs_transformers": round(error, 5)}
+            del graphed
+        except Exception as error:  # noqa: BLE001
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        say(f"engine variant {name}: {results[name]}")
+        free_gpu()
+    return results
 
 
 def _agreement_requests(loaded: Loaded, padded: dict) -> list[dict]:
@@ -375,6 +451,94 @@ def _stock_generate(backbone, tokenizer, prompts: list[list[int]], new_tokens: i
     return out[:, longest:].tolist()
 
 
+@torch.inference_mode()
+def teacher_forced(loaded: Loaded, sequence: list[int]) -> dict[str, Any]:
+    """Next-token argmax of the reference forward vs the fast engine on one fixed sequence.
+
+    Separates arithmetic differences (bf16 kernels) from logic errors: where the two disagree, the
+    reference's own top-1/top-2 logit gap shows whether it was a near tie.
+    """
+    from clef_model.fast import QwenEngine
+
+    ids = torch.tensor([sequence], device=DEVICE)
+    text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
+        else loaded.backbone.model
+    head = loaded.backbone.get_output_embeddings()
+    ref = head(text(input_ids=ids, use_cache=False).last_hidden_state)[0].float()
+    ours = head(QwenEngine(loaded.backbone).hidden_states(ids))[0].float()
+    agree = (ref.argmax(-1) == ours.argmax(-1))
+    top2 = ref.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1])[~agree]
+    return {"positions": len(sequence), "argmax_agreement": round(float(agree.float().mean()), 4),
+            "disagreement_ref_top2_gaps": [round(float(g), 4) for g in gaps[:8]],
+            "median_ref_top2_gap": round(float((top2[:, 0] - top2[:, 1]).median()), 4),
+            "logit_rel_error": round(float((ours - ref).norm() / ref.norm()), 5)}
+
+
+def section_profile(args, loaded: Loaded) -> None:
+    """Where the GPU time goes: top kernels of one fast-engine SystemOne forward and one decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from clef_model.fast import QwenEngine, StaticGreedyDecoder
+
+    engine = QwenEngine(loaded.backbone)
+    out: dict[str, Any] = {}
+    length = args.profile_tokens
+    ids = torch.randint(100, 1000, (1, length), device=DEVICE)
+    decoder = StaticGreedyDecoder(loaded.backbone, max_len=256, engine=engine, use_graphs=False)
+    decoder.generate([[5] * 16], 2)
+    state = decoder._state(1)
+    jobs = {"systemone_forward": lambda: engine.hidden_states(ids), "decode_step": lambda: decoder._step_inplace(state)}
+    for name, job in jobs.items():
+        for _ in range(2):
+            job()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            job()
+            sync()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+        total = sum(e.device_time_total for e in events)
+        top = sorted(events, key=lambda e: -e.device_time_total)[:14]
+        out[name] = {"gpu_ms": round(total / 1000, 2), "kernels": sum(e.count for e in events),
+                     "top": [(e.key[:70], round(e.device_time_total / 1000, 3), e.count) for e in top]}
+        say(f"profile {name}: {out[name]['gpu_ms']} ms GPU over {out[name]['kernels']} kernels")
+        for row in out[name]["top"]:
+            say(f"    {row}")
+    RESULTS["profile"] = out
+    free_gpu()
+
+
+def decode_variants(loaded: Loaded, prompt: list[int], n: int, stock: list[int] | None) -> dict[str, Any]:
+    """Batch-1 decode step time (CUDA graph) for each engine option; agreement with the stock tokens."""
+    from clef_model.fast import QwenEngine, StaticGreedyDecoder
+
+    variants = {"torch_recurrence+module_norms": dict(fused_norms=False, fla_decode=False),
+                "torch_recurrence+fused_norms": dict(fused_norms=True, fla_decode=False),
+                "fla_recurrence+module_norms": dict(fused_norms=False, fla_decode=True),
+                "fla_recurrence+fused_norms": dict(fused_norms=True, fla_decode=True)}
+    results = {}
+    for name, options in variants.items():
+        try:
+            decoder = StaticGreedyDecoder(loaded.backbone, max_len=len(prompt) + n + 64,
+                                          engine=QwenEngine(loaded.backbone, **options))
+            decoder.generate([prompt], n)
+            full = min(timed(lambda: decoder.generate([prompt], n))[1] for _ in range(3))
+            pre = min(timed(lambda: decoder.generate([prompt], 1))[1] for _ in range(3))
+            tokens = decoder.generate([prompt], n)[0]
+            entry = {"decode_ms_per_step": round((full - pre) / (n - 1) * 1000, 3),
+                     "tokens_per_s": round(n / full, 1)}
+            if stock is not None:
+                entry["first_divergence_from_stock"] = next(
+                    (i for i, (x, y) in enumerate(zip(stock, tokens)) if x != y), len(stock))
+            results[name] = entry
+            del decoder
+        except Exception as error:  # noqa: BLE001
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        say(f"decode variant {name}: {results[name]}")
+        free_gpu()
+    return results
+
+
 def section_generate(args, loaded: Loaded) -> None:
     from clef_model.fast import StaticGreedyDecoder
 
@@ -398,6 +562,16 @@ def section_generate(args, loaded: Loaded) -> None:
         if batch >= args.stock_batch_limit:
             break
     out["stock"] = stock
+    if 1 in stock_rows and len(stock_rows) > 1:
+        other = stock_rows[max(stock_rows)][0]
+        mine = stock_rows[1][0]
+        out["stock_batch1_vs_batched_first_divergence"] = next(
+            (i for i, (x, y) in enumerate(zip(mine, other)) if x != y), len(mine))
+    try:
+        out["teacher_forced"] = teacher_forced(loaded, prompts[0] + stock_rows[1][0])
+        say(f"teacher-forced agreement: {out['teacher_forced']}")
+    except Exception as error:  # noqa: BLE001
+        out["teacher_forced_error"] = f"{type(error).__name__}: {error}"
     fast: dict[str, Any] = {}
     try:
         decoder = StaticGreedyDecoder(loaded.backbone, max_len=max(len(p) for p in prompts) + n + 64)
@@ -427,6 +601,7 @@ def section_generate(args, loaded: Loaded) -> None:
         out["fast_error"] = f"{type(error).__name__}: {error}"
         say(f"generate fast FAILED: {traceback.format_exc()}")
     out["fast"] = fast
+    out["decode_variants"] = decode_variants(loaded, prompts[0], n, stock_rows.get(1, [None])[0])
     RESULTS["generate"] = out
     free_gpu()
 
@@ -512,9 +687,10 @@ def section_edit(args) -> None:
     out: dict[str, Any] = {"num_layers": args.num_layers or 32}
     base = Path(args.workdir) / "base9b"
     if not (base / "model.safetensors.index.json").exists():
-        _, dt = timed(lambda: build_fixture(base, "9b", num_layers=args.num_layers, force=True, progress=False))
+        _, dt = timed(lambda: build_fixture(base, args.preset, num_layers=args.num_layers, force=True,
+                                            progress=False))
         out["fixture_build_s"] = round(dt, 1)
-        say(f"fixture 9b ({out['num_layers']} layers) built in {dt:.0f}s")
+        say(f"fixture {args.preset} ({out['num_layers']} layers) built in {dt:.0f}s")
     out["fixture_gb"] = round(sum(p.stat().st_size for p in base.glob("*.safetensors")) / 1e9, 2)
     variant = Path(args.workdir) / "variant"
     argv = ["edit", "--behavior", "verbosity", "--base", str(base), "--out", str(variant), "--force"] + args.edit_args
@@ -563,12 +739,16 @@ def section_canary(args) -> None:
     base = Path(args.workdir) / "base9b"
     variant = Path(args.workdir) / "variant"
     argv = ["canary", str(variant), "--against", str(base)] + args.canary_args
-    stages: dict[str, float] = {}
-    with _timed_runtime_load(stages):
-        code, total = run_cli(argv)
-    RESULTS["canary"] = {"command": "blaze " + " ".join(argv), "exit_code": code, "total_s": round(total, 1),
-                         "stages_s": {k: round(v, 2) for k, v in stages.items()}}
-    say(f"canary: {RESULTS['canary']}")
+    runs = [("fast", None)] + ([("stock", "0")] if args.canary_stock else [])
+    for label, setting in runs:
+        stages: dict[str, float] = {}
+        with fast_setting(setting), _timed_runtime_load(stages):
+            code, total = run_cli(argv + ["--json", str(Path(args.workdir) / f"canary_{label}.json")])
+        RESULTS[f"canary_{label}"] = {"command": "blaze " + " ".join(argv), "BLAZE_FAST": setting or "default",
+                                      "exit_code": code, "total_s": round(total, 1),
+                                      "stages_s": {k: round(v, 2) for k, v in stages.items()}}
+        say(f"canary {label}: {RESULTS[f'canary_{label}']}")
+        free_gpu()
     free_gpu()
 
 
@@ -589,7 +769,9 @@ def to_markdown() -> str:
                 lines.append(f"| {key} | {s[key]['median_ms']} | {s[key]['p95_ms']} | {s[key]['n']} |")
         lines += ["", f"split: stock {json.dumps(s.get('stock_split'))}; fast {json.dumps(s.get('fast_split'))}",
                   f"agreement max |Δp| {s.get('agreement_max_abs_diff')} over {s.get('agreement_requests')} requests; "
-                  f"kernels {json.dumps(s.get('kernels'))}", ""]
+                  f"kernels {json.dumps(s.get('kernels'))}",
+                  f"Runtime.systemone with the hooks: {json.dumps(s.get('runtime_fast'))}",
+                  f"engine variants (backbone graph replay): {json.dumps(s.get('engine_variants'))}", ""]
     if "generate" in RESULTS:
         g = RESULTS["generate"]
         lines += [f"## generate ({g.get('model')}, {g.get('new_tokens')} new tokens, greedy, no early stop)", "",
@@ -598,8 +780,10 @@ def to_markdown() -> str:
             for batch, e in g.get(key, {}).items():
                 detail = {k: v for k, v in e.items() if k not in ("tokens_per_s", "seconds")}
                 lines.append(f"| {key} | {batch} | {e['tokens_per_s']} | {e['seconds']} | {json.dumps(detail)} |")
-        lines.append("")
-    for key in ("edit", "canary"):
+        lines += ["", f"decode variants (batch 1): {json.dumps(g.get('decode_variants'))}",
+                  f"teacher-forced: {json.dumps(g.get('teacher_forced'))}; stock batch-1 vs batched first divergence: "
+                  f"{g.get('stock_batch1_vs_batched_first_divergence')}", ""]
+    for key in ("edit", "canary_fast", "canary_stock", "profile"):
         if key in RESULTS:
             lines += [f"## {key}", "", "```json", json.dumps(RESULTS[key], indent=1), "```", ""]
     return "\n".join(lines)
@@ -626,10 +810,14 @@ def main() -> None:
     parser.add_argument("--gen-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[16])
     parser.add_argument("--fast-extra-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[64])
     parser.add_argument("--stock-batch-limit", type=int, default=16)
-    parser.add_argument("--edit-args", nargs="*", default=[])
-    parser.add_argument("--canary-args", nargs="*", default=[])
+    parser.add_argument("--edit-args", default="", help="extra blaze edit options, one string")
+    parser.add_argument("--canary-args", default="", help="extra blaze canary options, one string")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="9b", help="fixture preset for edit/canary ('tiny' for a CPU smoke test)")
+    parser.add_argument("--canary-stock", action="store_true", help="also time blaze canary with BLAZE_FAST=0")
+    parser.add_argument("--profile-tokens", type=int, default=1088)
     args = parser.parse_args()
+    args.edit_args, args.canary_args = shlex.split(args.edit_args), shlex.split(args.canary_args)
     global DEVICE
     DEVICE = args.device
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -642,7 +830,7 @@ def main() -> None:
             try:
                 if section == "env":
                     section_env(args)
-                elif section in ("systemone", "generate"):
+                elif section in ("systemone", "generate", "profile"):
                     if loaded is None:
                         if args.model == "tiny":
                             loaded, dt = timed(lambda: load_release(_tiny_folder(args.workdir)))
@@ -652,7 +840,8 @@ def main() -> None:
                             folder = args.workdir / "base9b" if args.model == "edit-base" else Path(args.model)
                             loaded, dt = timed(lambda: load_release(folder))
                         RESULTS.setdefault("load_s", {})[loaded.label] = round(dt, 1)
-                    (section_systemone if section == "systemone" else section_generate)(args, loaded)
+                    {"systemone": section_systemone, "generate": section_generate,
+                     "profile": section_profile}[section](args, loaded)
                 elif section == "edit":
                     section_edit(args)
                 elif section == "canary":

@@ -38,10 +38,11 @@ def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
     return torch.randint(10, 1900, (rows, length), generator=generator)
 
 
-def test_hidden_states_match_transformers(release):
+@pytest.mark.parametrize("fused_norms,conv", [(False, "conv1d"), (True, "shift")])
+def test_hidden_states_match_transformers(release, fused_norms, conv):
     _, _, clef, _ = release
     backbone = clef.language_model
-    engine = QwenEngine(backbone)
+    engine = QwenEngine(backbone, fused_norms=fused_norms, conv=conv)
     ids = _ids(1, 2, 41)
     with torch.inference_mode():
         reference = backbone.model.language_model(input_ids=ids, use_cache=False).last_hidden_state
@@ -74,9 +75,10 @@ def _reference_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_generation_identical_to_transformers(release):
+@pytest.mark.parametrize("fused_norms", [False, True])
+def test_greedy_generation_identical_to_transformers(release, fused_norms):
     model = release[2].language_model
-    decoder = StaticGreedyDecoder(model, max_len=128)
+    decoder = StaticGreedyDecoder(model, max_len=128, engine=QwenEngine(model, fused_norms=fused_norms))
     ids = _ids(4, 2, 33)
     prompts = [ids[0, :19].tolist(), ids[1].tolist(), ids[0, :3].tolist()]  # ragged batch, one prefill
     fast = decoder.generate(prompts, 12)
@@ -226,3 +228,22 @@ def test_vectorised_head_matches_release_head(release):
             assert [g.shape for g in got] == [w.shape for w in want]
             for g, w in zip(got, want):
                 assert torch.allclose(g, w, atol=1e-4, rtol=1e-4), (g, w)
+
+
+def test_runtime_hook_failure_falls_back_to_reference(tiny_runtime, monkeypatch):
+    """A fast-path failure turns the hooks off for that runtime and the reference answers still come."""
+    from clef_model import fast as fast_module
+
+    monkeypatch.setenv("BLAZE_FAST", "1")
+
+    def broken(*_a, **_k):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(fast_module.StaticGreedyDecoder, "generate", broken)
+    tiny_runtime.__dict__.pop("_fast_decoder", None)
+    with pytest.warns(UserWarning, match="fast path disabled"):
+        answer = tiny_runtime.generate(["Name a colour."], max_new_tokens=4)
+    assert answer[0].new_tokens >= 1 and "simulated" in tiny_runtime.__dict__["_fast_failed"]
+    assert fast_module.enabled(tiny_runtime) is False
+    tiny_runtime.__dict__.pop("_fast_supported")
+    tiny_runtime.__dict__.pop("_fast_failed")
