@@ -463,11 +463,23 @@ class ShardedWriter:
         if written != nbytes:
             raise ValueError(f"tensor {name!r}: got {written} bytes, expected {nbytes} for {dtype}{list(shape)}")
 
+    def start_tensor(self, name: str, dtype: str, shape: Sequence[int]) -> int:
+        """Begin a tensor whose bytes the caller then supplies with `write_range` calls; returns its size."""
+        return self._start_tensor(name, dtype, shape)
+
+    def write_range(self, src: Path, offset: int, nbytes: int) -> None:
+        """Append `nbytes` of file `src` from `offset` to the current tensor (kernel-side copy)."""
+        _copy_range(src, offset, nbytes, self._file())
+
+    def _file(self):
+        """The open shard file that raw copies go to (subclasses that wrap the handle return the real file)."""
+        return self._handle
+
     def copy_from(self, reader: CheckpointReader, name: str, new_name: str | None = None) -> None:
         """Copy one tensor bit-identically from a checkpoint (kernel-side copy; no user-space buffer)."""
         info = reader.info(name)
         self._start_tensor(new_name or name, info.dtype, info.shape)
-        _copy_range(info.file, info.offset, info.nbytes, self._handle)
+        _copy_range(info.file, info.offset, info.nbytes, self._file())
 
     # -- finishing --------------------------------------------------------------------------------------
     def close(self) -> dict:

@@ -11,6 +11,7 @@ folder that is renamed at the end: an error leaves no partial output and never t
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -34,7 +35,8 @@ from clef_model.errors import BlazeError
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
 from surgery.patch import PATCH_FILE, Patch
 
-_BLOCK_BYTES = 4 * 1024 * 1024  # bytes of stored data per read/compute block (small: bounds peak memory)
+_BLOCK_BYTES = 4 * 1024 * 1024  # bytes of stored data per read/compute block of an edited tensor
+_WINDOW_BYTES = 32 * 1024 * 1024  # bytes per mapped window when copying an untouched tensor
 _BLAZE_FILES = {PATCH_FILE, MANIFEST_FILE}
 
 
@@ -50,6 +52,13 @@ class _AsyncSha256:
     def _run(self) -> None:
         while (chunk := self._queue.get()) is not None:
             self._digest.update(chunk)
+            del chunk
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def wait(self) -> None:
+        """Block until every queued chunk has been hashed (after which the caller may reuse its memory)."""
+        self._queue.join()
 
     def update(self, chunk) -> None:
         """Queue a chunk; the caller must not modify it afterwards."""
@@ -98,6 +107,9 @@ class _HashingWriter(ShardedWriter):
         with open(self._handle.name, "rb") as handle:
             hasher.update(handle.read())
         self._handle = _HashingFile(self._handle, hasher)
+
+    def _file(self):
+        return self._handle._handle  # raw copies bypass the wrapper; their bytes are hashed by the caller
 
     def abort(self) -> None:
         super().abort()
@@ -163,12 +175,36 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: torch.Tensor, v: torc
     stats["realized_delta_norm"] = change_sq**0.5
 
 
-def _untouched_chunks(reader: CheckpointReader, name: str, in_hash: _AsyncSha256 | None, bar) -> Iterator[bytes]:
-    for raw in reader.iter_raw(name, chunk_bytes=_BLOCK_BYTES):
-        if in_hash is not None:
-            in_hash.update(raw)
-        bar.update(len(raw))
-        yield raw
+def _copy_untouched(reader: CheckpointReader, name: str, writer: "_HashingWriter",
+                    in_hash: _AsyncSha256 | None, bar) -> None:
+    """Copy one tensor bit-identically: the kernel copies the bytes (`copy_file_range`) while both hash
+    threads read the same bytes from a memory map of the source window — no user-space copy, and the
+    mapping is dropped after each window, so memory stays at one window."""
+    info = reader.info(name)
+    writer.start_tensor(name, info.dtype, info.shape)
+    out_hash = writer.shard_hashers[-1]
+    page = mmap.ALLOCATIONGRANULARITY
+    with open(info.file, "rb") as handle:
+        position, end = info.offset, info.offset + info.nbytes
+        while position < end:
+            length = min(_WINDOW_BYTES, end - position)
+            start = position - position % page
+            mapped = mmap.mmap(handle.fileno(), position - start + length, prot=mmap.PROT_READ,
+                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), offset=start)
+            view = memoryview(mapped)[position - start:]
+            try:
+                if in_hash is not None:
+                    in_hash.update(view)
+                out_hash.update(view)
+                writer.write_range(info.file, position, length)
+                if in_hash is not None:
+                    in_hash.wait()
+                out_hash.wait()
+            finally:
+                view.release()
+                mapped.close()
+            position += length
+            bar.update(length)
 
 
 def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
@@ -215,9 +251,9 @@ def _stream_weights(reader: CheckpointReader, patch: Patch, folder: Path, max_sh
                     u, v = patch.factors[edited[name]]
                     stats[edited[name]] = {}
                     chunks: Iterable = _edited_blocks(reader, name, u, v, hasher, stats[edited[name]], bar)
+                    writer.add_raw(name, reader.dtype(name), reader.shape(name), chunks)
                 else:
-                    chunks = _untouched_chunks(reader, name, hasher, bar)
-                writer.add_raw(name, reader.dtype(name), reader.shape(name), chunks)
+                    _copy_untouched(reader, name, writer, hasher, bar)
             index = writer.close()
     finally:
         for hasher in in_hashers.values():

@@ -198,20 +198,22 @@ def test_corrupt_shard_is_a_clear_error(base, tmp_path):
 
 
 def test_full_disk_mid_write_leaves_nothing(base, tmp_path, monkeypatch):
+    from clef_model import checkpoint
+
     calls = {"n": 0}
-    real_write = write_module._HashingFile.write
+    real_copy = checkpoint._copy_range
 
-    def failing_write(self, data):
+    def failing_copy(*args):  # the writer's raw copy hits a full disk part-way through the checkpoint
         calls["n"] += 1
-        if calls["n"] == 40:
+        if calls["n"] == 60:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(self, data)
+        return real_copy(*args)
 
-    monkeypatch.setattr(write_module._HashingFile, "write", failing_write)
+    monkeypatch.setattr(checkpoint, "_copy_range", failing_copy)
     before = _hashes(base.path)
     with pytest.raises(BlazeError, match="no space left"):
         write_variant(base, _patch(base), tmp_path / "out", progress=False)
-    assert calls["n"] == 40
+    assert calls["n"] == 60
     assert _siblings(tmp_path / "out") == [] and _hashes(base.path) == before
 
 
