@@ -136,7 +136,7 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
                decision_requests: list[dict] | None = None, neutral_prompts: list[Any] | None = None,
                neutral_texts: list[str] | None = None, thresholds: dict | None = None, quality: str | None = None,
                max_new_tokens: int = 96, integrity: dict | None = None, progress: bool = True,
-               batch_size: int = 8, damage_tokens: int = DEFAULT_DAMAGE_TOKENS,
+               batch_size: int = 16, damage_tokens: int = DEFAULT_DAMAGE_TOKENS,
                base_cache: BaseCache | None = None, base_key: str | None = None) -> dict[str, Any]:
     """Run every canary and return the report: keys freeform, damage, decisions, integrity, gate (+ meta).
 
@@ -175,7 +175,7 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
                    freeform_prompts: list[dict[str, Any]], decision_requests: list[dict] | None = None,
                    neutral_prompts: list[Any] | None = None, neutral_texts: list[str] | None = None,
                    thresholds: dict | None = None, quality: str | None = None, max_new_tokens: int = 96,
-                   integrity: dict | None = None, progress: bool = True, batch_size: int = 8,
+                   integrity: dict | None = None, progress: bool = True, batch_size: int = 16,
                    damage_tokens: int = DEFAULT_DAMAGE_TOKENS, base_cache: BaseCache | None = None,
                    base_key: str | None = None, base_is_clef: bool | None = None) -> dict[str, Any]:
     """Like `run_canary`, for models that do not fit in memory together: base first (or from the cache), freed,

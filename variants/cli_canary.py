@@ -172,7 +172,8 @@ def register(group: click.Group) -> None:
                   help="Tokens per free-form answer. Default: the behaviour's, else 96.")
     @click.option("--damage-tokens", type=click.IntRange(1), default=32, show_default=True,
                   help="Tokens of the base's greedy continuation of each neutral prompt scored for per-token KL.")
-    @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Prompts per batch.")
+    @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
+                  help="Prompts (or requests) per batch; fewer decode steps with larger batches.")
     @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
     @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
                   help="Both models in memory at once, or one after the other with the base's outputs cached "
