@@ -355,20 +355,21 @@ def section_systemone(args, loaded: Loaded) -> None:
         fast_times = [timed(lambda: fast(request))[1] for _ in range(args.s1_repeats)]
         out["fast"] = summary_ms(fast_times)
         with torch.inference_mode():
-            replay = [timed(lambda: fast.backbone(batch["input_ids"]))[1] for _ in range(20)]
-            eager = [timed(lambda: fast.engine.hidden_states(batch["input_ids"]))[1] for _ in range(10)]
+            reps = min(20, args.s1_repeats)
+            replay = [timed(lambda: fast.backbone(batch["input_ids"]))[1] for _ in range(reps)]
+            eager = [timed(lambda: fast.engine.hidden_states(batch["input_ids"]))[1] for _ in range(reps)]
             hidden = fast.backbone(batch["input_ids"])
             head = [timed(lambda: loaded.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
-                                              fast.engine.lm_head.weight))[1] for _ in range(20)]
+                                              fast.engine.lm_head.weight))[1] for _ in range(reps)]
             from clef_model.fast import head_logits, head_plan
 
             vhead = [timed(lambda: head_logits(loaded.head, hidden[0], head_plan(enc, fast.engine.device),
-                                               fast.engine.lm_head.weight))[1] for _ in range(20)]
+                                               fast.engine.lm_head.weight))[1] for _ in range(reps)]
         out["fast_split"] = {"backbone_graph": summary_ms(replay), "backbone_engine_eager": summary_ms(eager),
                              "head_release": summary_ms(head), "head_vectorised": summary_ms(vhead),
                              "bucket": fast.backbone.bucket_for(tokens), "vector_head": fast.vector_head}
-        out["engine_variants"] = engine_variants(loaded, batch["input_ids"], tokens)
-        diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)]
+        out["engine_variants"] = engine_variants(loaded, batch["input_ids"], tokens, min(20, args.s1_repeats))
+        diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
         out["agreement_max_abs_diff"] = max(diffs)
         out["agreement_requests"] = len(diffs)
         say(f"systemone fast: {out['fast']} split {out['fast_split']} max|dp| {out['agreement_max_abs_diff']}")
@@ -389,7 +390,7 @@ ENGINE_VARIANTS = {
 
 
 @torch.inference_mode()
-def engine_variants(loaded: Loaded, input_ids: torch.Tensor, tokens: int) -> dict[str, Any]:
+def engine_variants(loaded: Loaded, input_ids: torch.Tensor, tokens: int, repeats: int = 20) -> dict[str, Any]:
     """Graph-replay time of the SystemOne backbone for each engine option, and its error vs transformers."""
     from clef_model.fast import GraphedBackbone, QwenEngine
 
@@ -403,7 +404,7 @@ def engine_variants(loaded: Loaded, input_ids: torch.Tensor, tokens: int) -> dic
             graphed.warm([tokens])
             for _ in range(3):
                 graphed(input_ids)
-            times = [timed(lambda: graphed(input_ids))[1] for _ in range(20)]
+            times = [timed(lambda: graphed(input_ids))[1] for _ in range(repeats)]
             error = float((graphed(input_ids).float() - reference).norm() / reference.norm())
             results[name] = {**summary_ms(times), "rel_error_vs_transformers": round(error, 5)}
             del graphed
@@ -496,11 +497,14 @@ def section_profile(args, loaded: Loaded) -> None:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             job()
             sync()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-        total = sum(e.device_time_total for e in events)
-        top = sorted(events, key=lambda e: -e.device_time_total)[:14]
+        def gpu_us(e) -> float:
+            return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0)
+
+        events = [e for e in prof.key_averages() if gpu_us(e) > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
+        total = sum(gpu_us(e) for e in events)
+        top = sorted(events, key=lambda e: -gpu_us(e))[:14]
         out[name] = {"gpu_ms": round(total / 1000, 2), "kernels": sum(e.count for e in events),
-                     "top": [(e.key[:70], round(e.device_time_total / 1000, 3), e.count) for e in top]}
+                     "top": [(e.key[:70], round(gpu_us(e) / 1000, 3), e.count) for e in top]}
         say(f"profile {name}: {out[name]['gpu_ms']} ms GPU over {out[name]['kernels']} kernels")
         for row in out[name]["top"]:
             say(f"    {row}")
@@ -601,6 +605,25 @@ def section_generate(args, loaded: Loaded) -> None:
         out["fast_error"] = f"{type(error).__name__}: {error}"
         say(f"generate fast FAILED: {traceback.format_exc()}")
     out["fast"] = fast
+    if loaded.runtime is not None:  # the product path: Runtime.generate (chat template, stops), hooks on vs off
+        try:
+            rt = loaded.runtime
+            product = {}
+            for label, setting in (("stock", "0"), ("fast", None)):
+                with fast_setting(setting):
+                    rt.generate(GEN_PROMPTS[:2], max_new_tokens=8, batch_size=8)  # warm-up / graph capture
+                    gens, dt = timed(lambda: rt.generate(GEN_PROMPTS, max_new_tokens=n, batch_size=8))
+                made = sum(g.new_tokens for g in gens)
+                product[label] = {"seconds": round(dt, 3), "new_tokens": made, "tokens_per_s": round(made / dt, 1),
+                                  "token_ids": [g.token_ids for g in gens]}
+            same = sum(a == b for a, b in zip(product["stock"].pop("token_ids"), product["fast"].pop("token_ids")))
+            product["identical_answers"] = f"{same}/{len(GEN_PROMPTS)}"
+            product["fast_failed"] = rt.__dict__.get("_fast_failed")
+            out["runtime_generate_batch8"] = product
+            say(f"Runtime.generate batch 8: {product}")
+        except Exception as error:  # noqa: BLE001
+            out["runtime_generate_error"] = f"{type(error).__name__}: {error}"
+            say(f"Runtime.generate FAILED: {traceback.format_exc()}")
     out["decode_variants"] = decode_variants(loaded, prompts[0], n, stock_rows.get(1, [None])[0])
     RESULTS["generate"] = out
     free_gpu()
@@ -780,7 +803,8 @@ def to_markdown() -> str:
             for batch, e in g.get(key, {}).items():
                 detail = {k: v for k, v in e.items() if k not in ("tokens_per_s", "seconds")}
                 lines.append(f"| {key} | {batch} | {e['tokens_per_s']} | {e['seconds']} | {json.dumps(detail)} |")
-        lines += ["", f"decode variants (batch 1): {json.dumps(g.get('decode_variants'))}",
+        lines += ["", f"Runtime.generate (8 prompts, batch 8, stops on): {json.dumps(g.get('runtime_generate_batch8'))}",
+                  f"decode variants (batch 1): {json.dumps(g.get('decode_variants'))}",
                   f"teacher-forced: {json.dumps(g.get('teacher_forced'))}; stock batch-1 vs batched first divergence: "
                   f"{g.get('stock_batch1_vs_batched_first_divergence')}", ""]
     for key in ("edit", "canary_fast", "canary_stock", "profile"):
@@ -806,6 +830,7 @@ def main() -> None:
     parser.add_argument("--s1-tokens", type=int, default=1029)
     parser.add_argument("--s1-repeats", type=int, default=60)
     parser.add_argument("--s1-warmup", type=int, default=5)
+    parser.add_argument("--s1-agree", type=int, default=100, help="requests checked for answer agreement")
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--gen-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[16])
     parser.add_argument("--fast-extra-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[64])
