@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from clef_model.checkpoint import INDEX_NAME, CheckpointReader, sha256_file
 from clef_model.errors import BlazeError, ReleaseError
 from clef_model.release import resolve_release
-from surgery import write as write_module
 from surgery.manifest import MANIFEST_FILE, read_manifest, verify_manifest
 from surgery.patch import PATCH_FILE, Patch, base_identity
 from surgery.write import write_variant
