@@ -11,6 +11,7 @@ folder that is renamed at the end: an error leaves no partial output and never t
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import queue
@@ -162,11 +163,14 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: torch.Tensor, v: torc
         count = len(raw) // row_bytes
         old32 = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(count, cols).float()
         new = torch.addmm(old32, u[start : start + count], vt).to(dtype)
-        if not bool(torch.isfinite(new).all()) and bool(torch.isfinite(old32).all()):
+        # squared norms by BLAS dot products (cheap); a non-finite change where W was finite = overflow
+        flat, diff = old32.view(-1), new.float().sub_(old32).view(-1)
+        block_weight, block_change = float(torch.dot(flat, flat)), float(torch.dot(diff, diff))
+        if not math.isfinite(block_change) and math.isfinite(block_weight):
             raise BlazeError(f"editing {name} overflows {info.dtype} (non-finite values); use a smaller strength.")
-        weight_sq += float(old32.square().sum(dtype=torch.float64))
-        change_sq += float(new.float().sub_(old32).square_().sum(dtype=torch.float64))
-        del old32
+        weight_sq += block_weight
+        change_sq += block_change
+        del old32, flat, diff
         start += count
         bar.update(len(raw))
         yield tensor_to_bytes(new)
