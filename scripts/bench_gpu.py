@@ -704,6 +704,23 @@ def run_cli(argv: list[str]) -> tuple[int, float]:
     return code, time.perf_counter() - start
 
 
+def warm_fla() -> None:
+    """Compile flash-linear-attention's gated-delta-rule kernels for the 9B head shapes (bf16)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # noqa: BLE001
+        return
+    for t in (300, 1):
+        q = torch.randn(2, t, 16, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn_like(q)
+        v = torch.randn(2, t, 32, 128, device="cuda", dtype=torch.bfloat16)
+        g = -torch.rand(2, t, 32, device="cuda")
+        beta = torch.rand(2, t, 32, device="cuda", dtype=torch.bfloat16)
+        fn = chunk_gated_delta_rule if t > 1 else fused_recurrent_gated_delta_rule
+        with torch.inference_mode():
+            fn(q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
 def section_edit(args) -> None:
     from clef_model.fixtures import build_fixture
 
@@ -715,6 +732,9 @@ def section_edit(args) -> None:
         out["fixture_build_s"] = round(dt, 1)
         say(f"fixture {args.preset} ({out['num_layers']} layers) built in {dt:.0f}s")
     out["fixture_gb"] = round(sum(p.stat().st_size for p in base.glob("*.safetensors")) / 1e9, 2)
+    if DEVICE == "cuda":  # fla's Triton kernels compile on first use: time that once, outside the edit
+        out["triton_jit_warm_s"] = round(timed(warm_fla)[1], 1)
+        say(f"fla JIT warm-up {out['triton_jit_warm_s']}s")
     variant = Path(args.workdir) / "variant"
     argv = ["edit", "--behavior", "verbosity", "--base", str(base), "--out", str(variant), "--force"] + args.edit_args
     stages: dict[str, float] = {}
