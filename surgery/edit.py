@@ -235,8 +235,9 @@ def solve_factors(
         w = _weight(weights, name)
         writer = kind in WRITERS
         if writer:
-            basis = layer_dirs[layer].basis
-            pair_targets = (stats.wanted_means[layer] - stats.unwanted_means[layer]).double()
+            # [issue 6, GPU run: statistics collected on CUDA stay there; the solvers below work on CPU]
+            basis = layer_dirs[layer].basis.cpu()
+            pair_targets = (stats.wanted_means[layer] - stats.unwanted_means[layer]).double().cpu()
             share = writers_per_layer[layer]
         else:
             if w is None:
