@@ -300,13 +300,16 @@ def solve(
     mu: float = 1e-3,
     base_identity: dict | None = None,
     metadata: dict | None = None,
+    targets: Iterable[str] | None = None,
 ):
     """Solve every target and return a :class:`surgery.patch.Patch` whose metadata records the
     method, strength, rank, λ, threshold, μ, layers, kinds, per-matrix numbers and ``metadata``
-    (e.g. the behaviour's ``spec_hash``)."""
+    (e.g. the behaviour's ``spec_hash``). ``targets`` restricts the solve to a subset of the statistics'
+    targets (e.g. only ``mlp.down_proj``) without collecting again."""
     from surgery.patch import Patch  # the I/O module; imported here so the math stays usable alone
 
-    result = solve_factors(stats, method, strength, rank, lam, threshold, layer_kernel, weights=weights, mu=mu)
+    result = solve_factors(stats, method, strength, rank, lam, threshold, layer_kernel, weights=weights, mu=mu,
+                           targets=targets)
     meta = {
         "method": method, "strength": strength, "rank": rank, "lambda": lam, "threshold": threshold, "mu": mu,
         "layers": stats.meta.get("layers", sorted({i["layer"] for i in result.info.values()})),

@@ -21,7 +21,7 @@ DEMO_STRENGTH = {"verbosity": 0.3, "sycophancy": 0.3}
 
 
 def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None, max_new_tokens: int | None = None,
-             echo=print) -> list[dict]:
+             kinds: list[str] | None = None, echo=print) -> list[dict]:
     """Edit SmolLM2 in memory at each strength and run the canary on the held-out prompts against the base."""
     import torch
 
@@ -47,7 +47,9 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     weights = weights_from_runtime(rt)
     rows = []
     for strength in strengths:
-        patch = solve(stats, s["method"], strength, s["rank"], s["lam"], s["threshold"], weights=weights)
+        subset = [n for n in stats.keys if not kinds or any(n.endswith(k) for k in kinds)]
+        patch = solve(stats, s["method"], strength, s["rank"], s["lam"], s["threshold"], weights=weights,
+                      targets=subset)
         report = run_canary(ModelView(rt, activate=lambda p=patch: p.applied(rt), label=f"strength {strength}"),
                             base, freeform_prompts=prompts, thresholds=spec.gate.to_dict(), quality=spec.quality,
                             max_new_tokens=max_new_tokens or s["max_new_tokens"], batch_size=16, base_cache=cache,
@@ -85,4 +87,5 @@ if __name__ == "__main__":
     name, *values = sys.argv[1:]
     limit = int(os.environ["DEMO_LIMIT"]) if os.environ.get("DEMO_LIMIT") else None
     tokens = int(os.environ["DEMO_TOKENS"]) if os.environ.get("DEMO_TOKENS") else None
-    evaluate(name, [float(v) for v in values], limit=limit, max_new_tokens=tokens)
+    kinds = os.environ["DEMO_KINDS"].split(",") if os.environ.get("DEMO_KINDS") else None
+    evaluate(name, [float(v) for v in values], limit=limit, max_new_tokens=tokens, kinds=kinds)
