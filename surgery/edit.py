@@ -114,6 +114,7 @@ def collect_statistics(
     cache: Path | str | None = None,
     progress: bool = True,
     echo: Callable[[str], None] | None = None,
+    positions: str = "response",
 ) -> Statistics:
     """Statistics for an edit of ``kinds`` in ``layers`` (a spec such as ``"0.3-0.8"`` or ``"auto"``).
 
@@ -129,7 +130,7 @@ def collect_statistics(
     chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
     say = echo or (lambda _m: None)
     fingerprint = _fingerprint(runtime, pairs, preserve, [], {"layers": str(layers), "kinds": parse_kinds(kinds),
-                                                            "batch_size": batch_size})
+                                                            "batch_size": batch_size, "positions": positions})
     if cache and Path(cache).exists():
         stats = Statistics.load(cache)
         if stats.meta.get("fingerprint") == fingerprint:
@@ -137,14 +138,15 @@ def collect_statistics(
             return stats
     auto_scores = None
     if chosen == "auto":
-        first = collect(runtime, pairs, None, [], batch_size=batch_size, progress=progress)
+        first = collect(runtime, pairs, None, [], batch_size=batch_size, progress=progress, positions=positions)
         found = dirs.layer_directions(first.wanted_means, first.unwanted_means, rank, first.pair_direction)
         auto_scores = {l: d.separation for l, d in found.items()}
         chosen = dirs.choose_band(auto_scores, num_layers)
         say(dirs.format_scores(found, chosen))
         say(f"layers auto: chose {_ranges(chosen)}")
     the_plan = plan(runtime, chosen, kinds, rank=rank)
-    stats = collect(runtime, pairs, preserve, the_plan.targets, batch_size=batch_size, progress=progress)
+    stats = collect(runtime, pairs, preserve, the_plan.targets, batch_size=batch_size, progress=progress,
+                    positions=positions)
     stats.meta.update({
         "fingerprint": fingerprint,
         "layers": list(chosen),

@@ -121,18 +121,29 @@ def _response_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int = 1024) -> list[_Sequence]:
-    """Token sequences for both sides of every pair, with the response positions to read.
+POSITIONS = ("response", "prompt_end")
 
-    The positions are those that predict a response token: from the last prompt token (which
+
+def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int = 1024,
+                       positions: str = "response") -> list[_Sequence]:
+    """Token sequences for both sides of every pair, with the positions to read.
+
+    ``positions="response"``: those that predict a response token, from the last prompt token (which
     predicts the first response token) to the last response token (which predicts the end).
+    ``positions="prompt_end"``: only the last prompt token, responses left out — the system-prompt
+    contrast alone (DESIGN §5's SmolLM2 recipe); the direction then carries the "mode", not the
+    content of the two responses.
     """
+    if positions not in POSITIONS:
+        raise BlazeError(f"positions must be one of {POSITIONS} (got {positions!r})")
     out: list[_Sequence] = []
     for index, pair in enumerate(pairs):
         for side, (system, response) in enumerate(
             ((pair.wanted_system, pair.wanted), (pair.unwanted_system, pair.unwanted))
         ):
             prompt_ids = list(runtime.chat_ids(pair.prompt, system=system))
+            if positions == "prompt_end":
+                response = ""
             ids = (prompt_ids + _response_ids(runtime.tokenizer, response))[:max_length]
             start = min(len(prompt_ids), len(ids)) - 1
             if start < 0:
@@ -282,6 +293,7 @@ def collect(
     batch_size: int = 8,
     max_length: int = 1024,
     progress: bool = True,
+    positions: str = "response",
 ) -> Statistics:
     """Run the decoder over the contrast pairs and the preserve set and return :class:`Statistics`.
 
@@ -297,7 +309,7 @@ def collect(
     device = torch.device(runtime.device)
     acc = torch.float32 if device.type == "cuda" else torch.float64
     collector = _Collector(runtime, targets, len(pairs), residual_layers, acc, device)
-    behaviour = contrast_sequences(runtime, pairs, max_length)
+    behaviour = contrast_sequences(runtime, pairs, max_length, positions)
     kept = preserve_sequences(runtime, preserve, max_length) if preserve and targets else []
     try:
         _run(runtime, collector, behaviour, "behaviour", batch_size, "statistics: contrast pairs", progress)
@@ -344,6 +356,7 @@ def collect(
         "preserve_tokens": sum(len(s.positions) for s in kept),
         "num_layers": n_layers,
         "accumulate_dtype": str(acc).replace("torch.", ""),
+        "positions": positions,
     }
     return Statistics(
         wanted_means=wanted,

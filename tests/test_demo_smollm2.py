@@ -38,8 +38,12 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     opts = BuildOptions(behavior=behavior, out="unused")
     s = _settings(spec, opts)
     started = time.perf_counter()
+    positions = os.environ.get("DEMO_POSITIONS", "response")
+    cache = _cache_file(opts, rt, spec, s)
+    if positions != "response":
+        cache = cache.with_name(f"{cache.stem}-{positions}.pt")
     stats = collect_statistics(rt, contrast_pairs(spec), preserve_set(spec, rt), s["layers"], s["kinds"],
-                               rank=s["rank"], cache=_cache_file(opts, rt, spec, s), echo=echo)
+                               rank=s["rank"], cache=cache, echo=echo, positions=positions)
     echo(f"statistics ready in {time.perf_counter() - started:.0f} s; layers {stats.meta['layers']}")
     items = spec.heldout_items()[:limit]
     prompts = freeform_suite(items, general=False)
