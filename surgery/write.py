@@ -201,10 +201,11 @@ def _copy_untouched(reader: CheckpointReader, name: str, writer: "_HashingWriter
                     in_hash.update(view)
                 out_hash.update(view)
                 writer.write_range(info.file, position, length)
+            finally:
+                # the hash threads must be done with the window before it is unmapped, also on errors
                 if in_hash is not None:
                     in_hash.wait()
                 out_hash.wait()
-            finally:
                 view.release()
                 mapped.close()
             position += length
