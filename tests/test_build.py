@@ -27,7 +27,7 @@ PAIRS = [
 def small_spec(tmp_path, **defaults):
     spec = {
         "name": "tiny-concise", "version": 1, "description": "Test behaviour: shorter answers.",
-        "directions": [{"name": "concise", "wanted_system": "Answer briefly.", "unwanted_system": "Answer at length.",
+        "directions": [{"name": "concise",
                         "pairs": {"train": PAIRS,
                                   "validation": [{"prompt": "What is 2+2?", "keywords": ["4", "four"]}]}}],
         "heldout": [{"prompt": "What is the capital of France?", "keywords": ["Paris"]}],
@@ -165,3 +165,13 @@ def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
     report = json.loads((out / build_mod.CANARY_JSON).read_text())
     assert "gate" in report and (out / build_mod.CANARY_MD).is_file()
     assert verify_manifest(out) == []
+
+
+def test_read_positions_prefers_system_prompt_contrast():
+    from surgery.directions import ContrastPair
+    from variants.build import read_positions
+
+    with_systems = [ContrastPair("q", "a", "b", "Be brief.", "Be detailed.")]
+    assert read_positions(with_systems) == "prompt_end"
+    assert read_positions(with_systems + [ContrastPair("q", "a", "b")]) == "response"
+    assert read_positions([ContrastPair("q", "a", "b", "same", "same")]) == "response"

@@ -95,6 +95,15 @@ def contrast_pairs(spec) -> list:
     return out
 
 
+def read_positions(pairs) -> str:
+    """Where directions are read: at the last prompt token when every pair contrasts two different system
+    prompts (the "mode" alone, DESIGN §5's recipe, which worked on SmolLM2 where response positions sent
+    answers into loops), otherwise at the response positions."""
+    if pairs and all(p.wanted_system and p.unwanted_system and p.wanted_system != p.unwanted_system for p in pairs):
+        return "prompt_end"
+    return "response"
+
+
 def preserve_set(spec, runtime):
     """Default preserve set: the canary decision suite (Clef releases only; requests with images are
     left out because statistics run the text model alone) + preserve_chat.json + the spec's preserve."""
@@ -133,7 +142,8 @@ def _settings(spec, opts: BuildOptions) -> dict[str, Any]:
 def _cache_file(opts: BuildOptions, runtime, spec, s: dict) -> Path:
     root = opts.cache_dir or Path(os.environ.get("BLAZE_CACHE", Path.home() / ".cache" / "blaze")) / "statistics"
     key = json.dumps([str(runtime.release.path), getattr(runtime.release, "revision", None), spec.spec_hash,
-                      s["layers"], s["kinds"], s["rank"], str(runtime.dtype), str(runtime.device)])
+                      s["layers"], s["kinds"], s["rank"], str(runtime.dtype), str(runtime.device)]
+                     + ([s["positions"]] if s.get("positions", "response") != "response" else []))
     return Path(root) / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -250,9 +260,11 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     keep = preserve_set(spec, runtime)
     echo(f"data: {len(pairs)} contrast pairs, preserve {len(keep.texts)} chat prompts + "
          f"{len(keep.requests)} typed-decision requests")
+    s["positions"] = read_positions(pairs)
+    echo(f"directions read at: {s['positions']}")
     stats = collect_statistics(runtime, pairs, keep, s["layers"], s["kinds"], rank=s["rank"],
                                batch_size=opts.batch_size, cache=_cache_file(opts, runtime, spec, s),
-                               progress=opts.progress, echo=echo)
+                               progress=opts.progress, echo=echo, positions=s["positions"])
     weights = weights_from_runtime(runtime)
     targets = list(stats.keys)
     identity = base_identity(runtime.release, targets)
@@ -291,6 +303,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     manifest_extra = {
         **common, **choice, "method": s["method"], "rank": s["rank"], "lambda": s["lam"],
         "threshold": s["threshold"], "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
+        "positions": s["positions"],
         "layers_spec": s["layers"], "statistics": {k: v for k, v in stats.meta.items() if k != "shapes"},
         "canary_gate": None if report is None else {"passed": report["gate"]["passed"],
                                                     "failed": report["gate"]["failed"]},
