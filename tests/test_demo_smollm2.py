@@ -38,7 +38,9 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     opts = BuildOptions(behavior=behavior, out="unused")
     s = _settings(spec, opts)
     started = time.perf_counter()
-    positions = os.environ.get("DEMO_POSITIONS", "response")
+    from variants.build import read_positions
+
+    positions = os.environ.get("DEMO_POSITIONS") or read_positions(contrast_pairs(spec))
     cache = _cache_file(opts, rt, spec, s)
     if positions != "response":
         cache = cache.with_name(f"{cache.stem}-{positions}.pt")
