@@ -17,8 +17,8 @@ What it provides:
 - :class:`GraphedBackbone` — ``hidden_states`` for batch 1, padded to a length bucket and replayed from
   a CUDA graph captured once per bucket (eager on CPU).
 - :class:`FastSystemOne` — the release's ``systemone`` answer with the backbone swapped for
-  :class:`GraphedBackbone` and, for Cloudflare's allowlisted release code, the joint head computed by
-  :func:`head_logits` (the same modules, vectorised, no host syncs); answer formatting is the release's.
+  :class:`GraphedBackbone`; the release's own joint head (or, on request, :func:`head_logits`: the same
+  modules vectorised, no host syncs, but not bit-compatible in bf16) and answer formatting.
 - :class:`StaticGreedyDecoder` — greedy generation with a CUDA-graph decode step per batch size.
 
 Equivalence with the reference path is checked by ``tests/test_fast.py`` (CPU, float32 fixtures) and
@@ -568,6 +568,20 @@ def head_logits(head: torch.nn.Module, hidden: torch.Tensor, plan: HeadPlan,
     return list(torch.split(logits, plan.counts))
 
 
+def vector_head_requested(release_code: ModuleType | None) -> bool:
+    """Whether to score with :func:`head_logits` instead of the release's head: only on request
+    (``BLAZE_FAST_HEAD=vector``) and only for the allowlisted release code.
+
+    Off by default because it cannot meet the 1e-3 agreement in bf16: it reorders the head's roundings,
+    and the release head's own bf16 result is ~1e-2 (in probability) away from its float32 result on the
+    9B head shapes, so any reordering lands that far from the reference (measured: max |Δp| 0.0078
+    on the GPU, 0.0078 on the CPU). In float32 it agrees to 1e-4 (tests). It saves ~4 ms per request.
+    """
+    import os
+
+    return os.environ.get("BLAZE_FAST_HEAD", "").strip().lower() == "vector" and known_head(release_code)
+
+
 def known_head(release_code: ModuleType | None) -> bool:
     """Whether ``release_code`` is Cloudflare's allowlisted release code, whose head :func:`head_logits`
     re-expresses; for any other (trusted) code the release's own head runs."""
@@ -601,7 +615,7 @@ class FastSystemOne:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.backbone = GraphedBackbone(self.engine, buckets=buckets, pad_token_id=pad, use_graphs=use_graphs,
                                         pad_to_bucket=pad_to_bucket)
-        self.vector_head = vector_head if vector_head is not None else known_head(release_code)
+        self.vector_head = vector_head if vector_head is not None else vector_head_requested(release_code)
 
     def _plain(self, request: dict) -> bool:
         questions = request.get("questions")
@@ -840,10 +854,7 @@ def clef_logits(runtime: Any, batch: dict) -> list | None:
         pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
         backbone = GraphedBackbone(_engine(runtime), pad_token_id=pad)
         runtime.__dict__["_fast_backbone"] = backbone
-    vector = runtime.__dict__.get("_fast_vector_head")
-    if vector is None:
-        vector = known_head(getattr(runtime, "release_code", None))
-        runtime.__dict__["_fast_vector_head"] = vector
+    vector = vector_head_requested(getattr(runtime, "release_code", None))
     try:
         with torch.inference_mode():
             plan = head_plan(batch["records"][0], backbone.engine.device) if vector else None

@@ -188,7 +188,9 @@ def test_runtime_generate_hook_gives_reference_answers(tiny_runtime, monkeypatch
     assert [(g.text, g.hit_limit, g.new_tokens) for g in fast] == [(g.text, g.hit_limit, g.new_tokens) for g in reference]
 
 
-def test_runtime_systemone_hook_agrees_with_reference(tiny_runtime, monkeypatch):
+@pytest.mark.parametrize("head", ["release", "vector"])
+def test_runtime_systemone_hook_agrees_with_reference(tiny_runtime, monkeypatch, head):
+    monkeypatch.setenv("BLAZE_FAST_HEAD", head)
     request = _long_invoice(60)
     monkeypatch.setenv("BLAZE_FAST", "0")
     reference = tiny_runtime.decision_probabilities([request], batch_size=1)[0]
@@ -247,3 +249,15 @@ def test_runtime_hook_failure_falls_back_to_reference(tiny_runtime, monkeypatch)
     assert fast_module.enabled(tiny_runtime) is False
     tiny_runtime.__dict__.pop("_fast_supported")
     tiny_runtime.__dict__.pop("_fast_failed")
+
+
+def test_vectorised_head_only_on_request(release, monkeypatch):
+    """The release's own head is the default (bit-compatible); BLAZE_FAST_HEAD=vector opts in."""
+    from clef_model.fast import vector_head_requested
+
+    code = release[1]
+    monkeypatch.delenv("BLAZE_FAST_HEAD", raising=False)
+    assert vector_head_requested(code) is False
+    monkeypatch.setenv("BLAZE_FAST_HEAD", "vector")
+    assert vector_head_requested(code) is True
+    assert vector_head_requested(None) is False  # unknown (e.g. trusted third-party) release code: never
