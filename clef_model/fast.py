@@ -824,7 +824,12 @@ def greedy_rows(runtime: Any, prompts: Sequence[Sequence[int]], max_new_tokens: 
             decoder = StaticGreedyDecoder(runtime.model, max_len=1024 * math.ceil(needed / 1024),
                                           engine=_engine(runtime))
             runtime.__dict__["_fast_decoder"] = decoder
-        return decoder.generate(prompts, max_new_tokens, stop_ids=stop_ids)
+        # pad the batch to a power of two with copies of its first prompt: at most log2(batch) decode
+        # states and graphs stay allocated, whatever chunk sizes the caller produces
+        width = 1 << (len(prompts) - 1).bit_length()
+        rows = decoder.generate(list(prompts) + [prompts[0]] * (width - len(prompts)), max_new_tokens,
+                                stop_ids=stop_ids)
+        return rows[: len(prompts)]
     except BlazeError:
         raise
     except Exception as error:  # noqa: BLE001 - a fast-path failure must never break generation

@@ -186,6 +186,10 @@ def test_runtime_generate_hook_gives_reference_answers(tiny_runtime, monkeypatch
     assert tiny_runtime.__dict__.get("_fast_decoder") is not None  # the hook really ran
     assert [g.token_ids for g in fast] == [g.token_ids for g in reference]
     assert [(g.text, g.hit_limit, g.new_tokens) for g in fast] == [(g.text, g.hit_limit, g.new_tokens) for g in reference]
+    # a chunk of 3 runs padded to a batch of 4 (power-of-two decode states); the padding never leaks out
+    padded = tiny_runtime.generate(prompts, max_new_tokens=10, batch_size=4)
+    assert [g.token_ids for g in padded] == [g.token_ids for g in reference]
+    assert set(tiny_runtime.__dict__["_fast_decoder"]._states) <= {1, 2, 4}
 
 
 @pytest.mark.parametrize("head", ["release", "vector"])
