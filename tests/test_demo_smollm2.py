@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-DEMO_STRENGTH = {"verbosity": 0.3, "sycophancy": 0.3}
+DEMO_STRENGTH = {"verbosity": 0.3}  # measured: 0.3 passes the gate (33% cut); 0.45 adds loops
 
 
 def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None, max_new_tokens: int | None = None,
