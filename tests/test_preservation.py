@@ -5,7 +5,7 @@ set must be ≥ 5× smaller with the preservation term (steer, λ > 0) than the 
 while the behaviour direction's effect at the edited layers stays within 20%.
 
 Setup: the shipped verbosity pairs (16 for directions, 6 others to measure the effect), the canary
-decision suite split in two — even-numbered requests go into the preserve set (with 20 neutral chat
+decision suite split in two — even-numbered requests go into the preserve set (with 5 neutral chat
 prompts), odd-numbered ones are the held-apart suite on which |Δp| is measured. Targets: `o_proj` of the
 two full-attention layers (3 and 7) of the 8-layer fixture, rank 1, strength 0.1. (On the fixture's
 random-weight linear-attention layers the behaviour and preserved inputs are nearly identically
@@ -43,7 +43,7 @@ def test_preservation_term_cuts_decision_drift_at_equal_strength(tiny_runtime):
     pairs = contrast_pairs(load_behavior("verbosity"))
     train, measure = pairs[:16], pairs[100:106]
     assert not {repr(r) for r in kept} & {repr(r) for r in held}
-    stats = collect_statistics(rt, train, PreserveSet(texts=load_preserve_chat()[:20], requests=kept),
+    stats = collect_statistics(rt, train, PreserveSet(texts=load_preserve_chat()[:5], requests=kept),
                                LAYERS, KINDS, progress=False)
     layers = stats.meta["layers"]
     directions = layer_directions(stats.wanted_means, stats.unwanted_means, 1)
