@@ -156,6 +156,11 @@ def test_sweep_keeps_strongest_passing_point_and_stops_on_damage(monkeypatch):
 def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
     """--strength auto on the fixture with the real canary runner: a sweep table and a report in the folder."""
     spec = small_spec(tmp_path, strength="auto")
+    # the random-weight fixture's decisions are near ties, so any edit flips a few: widen the decision bounds
+    # for this test of the sweep machinery (the real gate defaults are exercised in tests/test_canaries_*)
+    data = json.loads(spec.read_text())
+    data["gate"].update({"max_decision_drift": 0.5, "max_argmax_flips": 20})
+    spec.write_text(json.dumps(data))
     out = tmp_path / "auto"
     result = build_variant(BuildOptions(behavior=str(spec), out=out, base=str(tiny_release), device="cpu",
                                         cache_dir=tmp_path / "cache", progress=False), echo=lambda _m: None)
