@@ -16,7 +16,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -283,7 +283,7 @@ def write_variant(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     manifest_extra: dict | None = None,
     progress: bool = True,
-    extra_files: dict[str, bytes] | None = None,
+    extra_files: "dict[str, bytes] | Callable[[Path], dict[str, bytes]] | None" = None,
 ) -> Path:
     """Write base + patch as a drop-in release folder at `out` and return its path.
 
@@ -303,10 +303,14 @@ def write_variant(
         raise BlazeError(f"{base_path}: listed file {missing[0]!r} is missing; the base release is incomplete.")
     side_bytes = sum((base_path / n).stat().st_size for n in side)
     weights = {p.name for p in reader.shard_files()} | {INDEX_NAME}
-    for name in extra_files or {}:  # checked before anything is written
-        if ("/" in name or name in side or name in _BLAZE_FILES or name in weights or name.startswith(".")
-                or (name.startswith("model") and name.endswith(".safetensors"))):
-            raise BlazeError(f"extra file name {name!r} would clash with a release file; choose another name.")
+    def _check_extra_names(names) -> None:
+        for name in names:
+            if ("/" in name or name in side or name in _BLAZE_FILES or name in weights or name.startswith(".")
+                    or (name.startswith("model") and name.endswith(".safetensors"))):
+                raise BlazeError(f"extra file name {name!r} would clash with a release file; choose another name.")
+
+    if not callable(extra_files):
+        _check_extra_names(extra_files or {})  # checked before anything is written
 
     with atomic_output(out, force=force) as tmp, \
             _progress(reader.total_bytes() + side_bytes, progress, f"writing {out.name}") as bar:
@@ -321,6 +325,10 @@ def write_variant(
         out_hashes[PATCH_FILE] = sha256_file(tmp / PATCH_FILE)
         # extra_files: minimal addition by the build engineer (blaze edit stores blaze_canary.json/.md here,
         # so the report is listed and hashed in the manifest before the folder is finalised).
+        # a callable gets the finished (not yet renamed) folder, e.g. to check its integrity for the report
+        if callable(extra_files):
+            extra_files = extra_files(tmp)
+            _check_extra_names(extra_files)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
             out_hashes[name] = sha256_file(tmp / name)

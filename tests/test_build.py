@@ -169,6 +169,9 @@ def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
     assert manifest["edit"]["strength_mode"] == "auto" and len(manifest["edit"]["sweep"]) >= 1
     report = json.loads((out / build_mod.CANARY_JSON).read_text())
     assert "gate" in report and (out / build_mod.CANARY_MD).is_file()
+    # integrity is checked on the written folder before it is finalised, and is part of the gate
+    assert report["integrity"]["passed"] is True
+    assert any(c["name"] == "integrity" for c in report["gate"]["checks"])
     assert verify_manifest(out) == []
 
 

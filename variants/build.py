@@ -16,7 +16,6 @@ The stages, each with progress on stderr:
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import time
@@ -218,16 +217,11 @@ def format_sweep(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ build
-def _write(release, patch, out: Path, force: bool, manifest_extra: dict, extra_files: dict[str, bytes],
-           progress: bool) -> Path:
+def _write(release, patch, out: Path, force: bool, manifest_extra: dict, extra_files: Any, progress: bool) -> Path:
     from surgery.write import write_variant
 
-    kwargs: dict[str, Any] = {"force": force, "manifest_extra": manifest_extra, "progress": progress}
-    if extra_files:
-        if "extra_files" not in inspect.signature(write_variant).parameters:
-            raise BlazeError("this blaze build cannot store the canary report in the variant: use --no-canary")
-        kwargs["extra_files"] = extra_files
-    return write_variant(release, patch, out, **kwargs)
+    return write_variant(release, patch, out, force=force, manifest_extra=manifest_extra, progress=progress,
+                         extra_files=extra_files)
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -286,7 +280,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     patch = solve_patch(strength, choice)
 
     report = None
-    extra_files: dict[str, bytes] = {}
+    extra_files: Any = None
     if opts.canary:
         from canaries.handles import ModelView
         from canaries.run import freeform_suite, run_canary, to_markdown
@@ -296,10 +290,19 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                             freeform_prompts=freeform_suite(spec.heldout_items(), general=True),
                             thresholds=spec.gate.to_dict(), quality=spec.quality,
                             max_new_tokens=s["max_new_tokens"], progress=opts.progress, batch_size=opts.batch_size)
-        extra_files = {CANARY_JSON: json.dumps(report, indent=2, default=str).encode(),
-                       CANARY_MD: to_markdown(report).encode()}
-        echo(f"canary (held-out + general): gate {'PASSED' if report['gate']['passed'] else 'FAILED'}"
-             + ("" if report["gate"]["passed"] else f" ({', '.join(report['gate']['failed'])})"))
+        def extra_files(folder: Path) -> dict[str, bytes]:
+            """Integrity of the written (not yet renamed) folder against the base, then the final gate."""
+            from canaries.gate import evaluate
+            from canaries.integrity import check_integrity
+
+            report["integrity"] = check_integrity(folder, runtime.release)
+            report["gate"] = evaluate(report, spec.gate.to_dict())
+            manifest_extra["canary_gate"] = {"passed": report["gate"]["passed"], "failed": report["gate"]["failed"]}
+            echo(f"canary (held-out + general + integrity): gate "
+                 f"{'PASSED' if report['gate']['passed'] else 'FAILED'}"
+                 + ("" if report["gate"]["passed"] else f" ({', '.join(report['gate']['failed'])})"))
+            return {CANARY_JSON: json.dumps(report, indent=2, default=str).encode(),
+                    CANARY_MD: to_markdown(report).encode()}
     manifest_extra = {
         **common, **choice, "method": s["method"], "rank": s["rank"], "lambda": s["lam"],
         "threshold": s["threshold"], "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
