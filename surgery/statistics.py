@@ -240,6 +240,9 @@ class _Collector:
         return hook
 
 
+_WIDTH_BUCKET = 64
+
+
 def _quiet() -> bool:
     return os.environ.get("BLAZE_QUIET", "") not in ("", "0")
 
@@ -264,7 +267,10 @@ def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, 
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             batch = [sequences[i] for i in order[start : start + batch_size]]
-            width = max(len(s.ids) for s in batch)
+            # round the padded width up to a multiple of 64: shape-specialised kernels (fla's Triton kernels
+            # on the GPU compile/autotune per sequence length) then see a few shapes instead of one per batch.
+            # Right padding cannot change the kept positions: every mixer is causal.
+            width = -(-max(len(s.ids) for s in batch) // _WIDTH_BUCKET) * _WIDTH_BUCKET
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             flat, pair, side = [], [], []
