@@ -217,13 +217,6 @@ def format_sweep(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ build
-def _write(release, patch, out: Path, force: bool, manifest_extra: dict, extra_files: Any, progress: bool) -> Path:
-    from surgery.write import write_variant
-
-    return write_variant(release, patch, out, force=force, manifest_extra=manifest_extra, progress=progress,
-                         extra_files=extra_files)
-
-
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
@@ -311,7 +304,10 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         "canary_gate": None if report is None else {"passed": report["gate"]["passed"],
                                                     "failed": report["gate"]["failed"]},
     }
-    written = _write(runtime.release, patch, out, opts.force, manifest_extra, extra_files, opts.progress)
+    from surgery.write import write_variant
+
+    written = write_variant(runtime.release, patch, out, force=opts.force, manifest_extra=manifest_extra,
+                            progress=opts.progress, extra_files=extra_files)
     if opts.export_lora:
         from surgery.lora import export_lora
 
