@@ -182,6 +182,13 @@ def _kernel(layer_kernel: LayerKernel, layer: int) -> float:
     return float(layer_kernel.get(layer, 0.0))
 
 
+def _solve_device(stats: Statistics, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    first = next(iter(stats.keys.values()), None)
+    return first.behaviour_moment.device if first is not None else torch.device("cpu")
+
+
 @dataclass
 class SolveResult:
     """Factors per target plus the per-target numbers for the manifest."""
@@ -202,6 +209,7 @@ def solve_factors(
     weights: WeightSource | None = None,
     mu: float = 1e-3,
     targets: Iterable[str] | None = None,
+    device: torch.device | str | None = None,
 ) -> SolveResult:
     """Closed-form factors for every target of ``stats`` (see :mod:`surgery.solvers` and docs/METHOD.md).
 
@@ -209,7 +217,8 @@ def solve_factors(
     × that layer's contrastive mean difference (wanted − unwanted) along the behaviour directions,
     shared equally by the layer's edited writers; a reader's output moves by ``strength`` × the change
     the contrast causes in it. For ``ablate`` it is the fraction of the directions removed (1 = all).
-    ``layer_kernel`` multiplies the strength per layer.
+    ``layer_kernel`` multiplies the strength per layer. The float64 algebra runs on ``device`` (default:
+    where the statistics are, i.e. the GPU after a GPU collection).
     """
     if method not in solvers.METHODS:
         raise BlazeError(f"unknown method {method!r}: use one of {', '.join(solvers.METHODS)}")
@@ -222,6 +231,7 @@ def solve_factors(
         if kind in WRITERS:
             writers_per_layer[layer] = writers_per_layer.get(layer, 0) + 1
     needed_layers = {split_name(n)[0] for n in names}
+    dev = _solve_device(stats, device)
     layer_dirs = dirs.layer_directions(
         {l: stats.wanted_means[l] for l in needed_layers},
         {l: stats.unwanted_means[l] for l in needed_layers},
@@ -235,43 +245,49 @@ def solve_factors(
         ks = stats.keys[name]
         alpha = strength * _kernel(layer_kernel, layer)
         w = _weight(weights, name)
+        w = None if w is None else w.to(dev)
         writer = kind in WRITERS
         if writer:
-            # [issue 6, GPU run: statistics collected on CUDA stay there; the solvers below work on CPU]
-            basis = layer_dirs[layer].basis.cpu()
-            pair_targets = (stats.wanted_means[layer] - stats.unwanted_means[layer]).double().cpu()
+            basis = layer_dirs[layer].basis.to(dev)
+            pair_targets = (stats.wanted_means[layer] - stats.unwanted_means[layer]).to(dev).double()
             share = writers_per_layer[layer]
         else:
             if w is None:
                 raise BlazeError(f"editing reader {name} needs its weight: pass weights=")
-            key_diffs = (ks.wanted_means - ks.unwanted_means).double().cpu()
-            pair_targets = key_diffs @ w.double().cpu().T
+            key_diffs = (ks.wanted_means - ks.unwanted_means).to(dev).double()
+            pair_targets = key_diffs @ w.double().T
             basis = dirs.principal_directions(pair_targets, rank)
             share = 1
         if method == "ablate":
             if w is None:
                 raise BlazeError(f"ablate needs the weight of {name}: pass weights=")
             if writer:
-                f = solvers.ablate_output(w.cpu(), basis, alpha)
+                f = solvers.ablate_output(w, basis, alpha)
             else:
-                f = solvers.ablate_input(w.cpu(), dirs.principal_directions(key_diffs, rank), alpha)
+                f = solvers.ablate_input(w, dirs.principal_directions(key_diffs, rank), alpha)
         else:
-            cross = solvers.cross_moment(basis, pair_targets, ks.pair_means.cpu(), ks.pair_counts.cpu())
-            cb = ks.behaviour_moment.cpu()
-            cp = None if ks.preserve_moment is None else ks.preserve_moment.cpu()
-            if method == "steer":
-                f = solvers.steer(basis, cross, cb, cp, lam=lam, mu=mu)
-            else:
-                if cp is None:
-                    raise BlazeError("nullspace needs preserved-key statistics: give a preserve set")
-                f = solvers.nullspace(basis, cross, cb, cp, threshold=threshold, mu=mu)
-            weights_p = ks.pair_counts.double().cpu()
+            # The solve does not depend on the strength (calibration scales it), so a strength sweep
+            # solves each matrix once: the d_in × d_in systems are the expensive part at 9B scale.
+            memo_key = ("solve", name, method, rank, lam, threshold, mu, str(dev))
+            f = stats.memo.get(memo_key)
+            if f is None:
+                cross = solvers.cross_moment(basis, pair_targets, ks.pair_means.to(dev), ks.pair_counts.to(dev))
+                cb = ks.behaviour_moment.to(dev)
+                cp = None if ks.preserve_moment is None else ks.preserve_moment.to(dev)
+                if method == "steer":
+                    f = solvers.steer(basis, cross, cb, cp, lam=lam, mu=mu)
+                else:
+                    if cp is None:
+                        raise BlazeError("nullspace needs preserved-key statistics: give a preserve set")
+                    f = solvers.nullspace(basis, cross, cb, cp, threshold=threshold, mu=mu)
+                stats.memo[memo_key] = f
+            weights_p = ks.pair_counts.to(dev).double()
             mean_target = (pair_targets.T @ (weights_p / weights_p.sum()))      # d_out
             desired = (alpha / share) * (basis.double().T @ mean_target)
             if alpha == 0:
                 f = solvers.Factors(U=f.U, V=f.V * 0.0, scale=0.0, null_dim=f.null_dim)
             else:
-                f = solvers.calibrate(f, basis, ks.behaviour_mean.cpu(), desired)
+                f = solvers.calibrate(f, basis, ks.behaviour_mean.to(dev), desired)
         factors[name] = f
         u, v = f.U, f.V
         delta_norm = math.sqrt(max(float(torch.trace((u.T @ u) @ (v.T @ v))), 0.0))
@@ -280,7 +296,10 @@ def solve_factors(
             "delta_norm": delta_norm, "calibration": f.scale,
         }
         if w is not None:
-            entry["rel_change"] = delta_norm / max(float(w.double().norm()), 1e-30)
+            norm_key = ("weight_norm", name, w.data_ptr(), tuple(w.shape))
+            if norm_key not in stats.memo:
+                stats.memo[norm_key] = float(w.double().norm())
+            entry["rel_change"] = delta_norm / max(stats.memo[norm_key], 1e-30)
         if f.null_dim is not None:
             entry["null_dim"] = f.null_dim
         if kind in WRITERS:
@@ -303,6 +322,7 @@ def solve(
     base_identity: dict | None = None,
     metadata: dict | None = None,
     targets: Iterable[str] | None = None,
+    device: torch.device | str | None = None,
 ):
     """Solve every target and return a :class:`surgery.patch.Patch` whose metadata records the
     method, strength, rank, λ, threshold, μ, layers, kinds, per-matrix numbers and ``metadata``
@@ -311,7 +331,7 @@ def solve(
     from surgery.patch import Patch  # the I/O module; imported here so the math stays usable alone
 
     result = solve_factors(stats, method, strength, rank, lam, threshold, layer_kernel, weights=weights, mu=mu,
-                           targets=targets)
+                           targets=targets, device=device)
     meta = {
         "method": method, "strength": strength, "rank": rank, "lambda": lam, "threshold": threshold, "mu": mu,
         "layers": stats.meta.get("layers", sorted({i["layer"] for i in result.info.values()})),

@@ -63,6 +63,8 @@ class Statistics:
     pair_direction: torch.Tensor              # n_pairs, index of the spec direction of each pair
     keys: dict[str, KeyStats]                 # target name -> key statistics
     meta: dict = field(default_factory=dict)
+    # strength-independent solver results, reused by every point of a strength sweep (never saved)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def layers(self) -> list[int]:

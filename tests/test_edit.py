@@ -113,3 +113,20 @@ def test_readers_and_errors(tiny_runtime):
         solve_factors(stats, "steer", 0.2)
     with pytest.raises(BlazeError, match="threshold"):
         solve_factors(stats, "nullspace", 0.2, threshold=2.0, weights=weights)
+
+
+def test_sweep_reuses_the_solve_and_matches_a_fresh_one(stats):
+    """A strength sweep solves each matrix once (memo on the statistics); later points equal a fresh solve."""
+    import dataclasses
+
+    stats.memo.clear()
+    solve_factors(stats, "steer", 0.1, 1, 1.0)
+    solved = {k for k in stats.memo if k[0] == "solve"}
+    assert len(solved) == len(stats.keys)
+    swept = solve_factors(stats, "steer", 0.25, 1, 1.0)
+    assert {k for k in stats.memo if k[0] == "solve"} == solved          # no new solves
+    fresh = solve_factors(dataclasses.replace(stats, memo={}), "steer", 0.25, 1, 1.0)
+    for name, f in fresh.factors.items():
+        assert torch.equal(swept.factors[name].U, f.U) and torch.equal(swept.factors[name].V, f.V)
+    solve_factors(stats, "steer", 0.25, 1, 2.0)                           # another λ is another solve
+    assert len({k for k in stats.memo if k[0] == "solve"}) == 2 * len(solved)
