@@ -677,7 +677,13 @@ def _count_tokens(sink: dict[str, float]):
     def patch():
         def counting(model, ids, mask, *a, **k):
             sink["statistics_tokens"] = sink.get("statistics_tokens", 0) + int(mask.sum())
-            return original(model, ids, mask, *a, **k)
+            sync()
+            start = time.perf_counter()
+            try:
+                return original(model, ids, mask, *a, **k)
+            finally:
+                sync()  # per-forward shape and seconds: shows compile/autotune cost per new shape
+                FORWARDS.append((tuple(ids.shape), round(time.perf_counter() - start, 3)))
 
         st._forward = counting
         try:
@@ -722,6 +728,30 @@ def warm_fla() -> None:
             fn(q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
+FORWARDS: list[tuple[tuple[int, ...], float]] = []
+
+# A random-weight fixture has no behaviour, so the real gate rejects every strength and `--strength auto`
+# would stop with "no strength passed". For timing the default recipe end to end, --relaxed-gate runs it
+# with a copy of the spec whose gate accepts anything: every grid point is then tried (the worst case).
+RELAXED_GATE = {"effect": "none", "min_effect": 0.0, "max_first_token_kl": 1e9, "max_mean_token_kl": 1e9, "max_loop_rate": 1.0,
+                "max_limit_rate": 1.0, "max_empty_rate": 1.0, "max_decision_drift": 1e9, "max_argmax_flips": 1000000,
+                "min_quality_ratio": 0.0}
+
+
+def relaxed_spec(workdir: Path, behavior: str = "verbosity", grid: str | None = None) -> Path:
+    """A copy of a shipped spec with RELAXED_GATE, written to WORKDIR/relaxed/BEHAVIOR.json."""
+    from variants.spec import load_behavior
+
+    data = json.loads(Path(load_behavior(behavior).source).read_text())
+    data["gate"] = {**data.get("gate", {}), **RELAXED_GATE}
+    if grid:
+        data["defaults"] = {**data.get("defaults", {}), "strength_grid": [float(x) for x in grid.split(",")]}
+    target = workdir / "relaxed" / f"{behavior}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=1))
+    return target
+
+
 def section_edit(args) -> None:
     from clef_model.fixtures import build_fixture
 
@@ -737,14 +767,38 @@ def section_edit(args) -> None:
         out["triton_jit_warm_s"] = round(timed(warm_fla)[1], 1)
         say(f"fla JIT warm-up {out['triton_jit_warm_s']}s")
     variant = Path(args.workdir) / "variant"
-    argv = ["edit", "--behavior", "verbosity", "--base", str(base), "--out", str(variant), "--force"] + args.edit_args
+    behavior = str(relaxed_spec(Path(args.workdir), grid=args.grid)) if args.relaxed_gate else "verbosity"
+    out["gate"] = "relaxed (every grid point passes; timing only)" if args.relaxed_gate else "the spec's"
+    FORWARDS.clear()
+    argv = ["edit", "--behavior", behavior, "--base", str(base), "--out", str(variant), "--force"] + args.edit_args
     stages: dict[str, float] = {}
     timers = {"clef_model.runtime:Runtime.load": "load", "surgery.edit:collect_statistics": "statistics",
               "surgery.edit:solve": "solve", "surgery.write:write_variant": "write",
               "canaries.run:run_canary": "canary_in_edit"}
     timers = {k: v for k, v in timers.items() if "." not in k.split(":")[1]}
-    with stage_timers(timers, stages), _count_tokens(stages), _timed_runtime_load(stages):
-        code, total = run_cli(argv)
+    profiler = None
+    if args.profile_edit:  # cProfile of the whole edit: where the wall time goes, by Python function
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        with stage_timers(timers, stages), _count_tokens(stages), _timed_runtime_load(stages):
+            code, total = run_cli(argv)
+    finally:  # also when interrupted (timeout -s INT): keep the profile and the forwards seen so far
+        out["statistics_forwards"] = [[list(shape), sec] for shape, sec in FORWARDS]
+        RESULTS["edit"] = out
+        if profiler is not None:
+            import io
+            import pstats
+
+            profiler.disable()
+            args.out.mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(str(args.out / "edit.prof"))
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(100)
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(50)
+            (args.out / "edit_profile.txt").write_text(text.getvalue())
     out.update(command="blaze " + " ".join(argv), exit_code=code, total_s=round(total, 1),
                stages_s={k: round(v, 2) for k, v in stages.items() if k != "statistics_tokens"})
     if stages.get("statistics_tokens") and stages.get("statistics"):
@@ -861,6 +915,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", default="9b", help="fixture preset for edit/canary ('tiny' for a CPU smoke test)")
     parser.add_argument("--canary-stock", action="store_true", help="also time blaze canary with BLAZE_FAST=0")
+    parser.add_argument("--profile-edit", action="store_true", help="cProfile the edit; OUT/edit_profile.txt")
+    parser.add_argument("--grid", default=None, help="with --relaxed-gate: strength grid, e.g. 0.1,0.2")
+    parser.add_argument("--relaxed-gate", action="store_true",
+                        help="edit with a copy of the verbosity spec whose gate passes anything (random weights)")
     parser.add_argument("--profile-tokens", type=int, default=1088)
     args = parser.parse_args()
     args.edit_args, args.canary_args = shlex.split(args.edit_args), shlex.split(args.canary_args)

@@ -259,7 +259,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
 
     def solve_patch(strength: float, extra: dict | None = None):
         return solve(stats, s["method"], strength, s["rank"], s["lam"], s["threshold"], weights=weights,
-                     base_identity=identity, metadata={**common, **(extra or {})})
+                     base_identity=identity, metadata={**common, **(extra or {})}, device=runtime.device)
 
     sweep: list[dict] = []
     if s["strength"] == "auto":
