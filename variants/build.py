@@ -288,7 +288,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
             from canaries.gate import evaluate
             from canaries.integrity import check_integrity
 
-            report["integrity"] = check_integrity(folder, runtime.release)
+            report["integrity"] = check_integrity(folder, runtime.release, device=runtime.device)
             report["gate"] = evaluate(report, spec.gate.to_dict())
             manifest_extra["canary_gate"] = {"passed": report["gate"]["passed"], "failed": report["gate"]["failed"]}
             echo(f"canary (held-out + general + integrity): gate "
