@@ -8,6 +8,11 @@ relative to the data section, optional `__metadata__` of strings, padded with sp
 little-endian bytes — so this module writes it directly: headers are computed from a planned layout (or,
 without a plan, prepended once the shard is complete), and tensors are copied as raw bytes with the
 kernel's `copy_file_range`, never through a dtype round trip.
+
+torch is imported only by the functions that take or return torch tensors (`tensor`, `add_tensor`,
+`save_tensors`/`load_tensors` of torch tensors, `dtype_name`, `torch_dtype`): reading headers, raw bytes
+and numpy arrays (`CheckpointReader.array`, `numpy_dtype`), streaming writes and hashing stay torch-free,
+so `blaze apply` runs without loading torch (≈ 700 MiB of memory for the CUDA build).
 """
 
 from __future__ import annotations
@@ -25,8 +30,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from clef_model.errors import BlazeError, ReleaseError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,43 +38,67 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
 _COPY_CHUNK = 16 * 1024 * 1024
 
-# safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "U16": (torch.uint16, 2),
-    "U32": (torch.uint32, 4),
-    "U64": (torch.uint64, 8),
+# safetensors dtype string -> bytes per element
+ITEMSIZE: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "U32": 4, "U64": 8,
 }
-_TORCH_TO_ST = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
+# safetensors dtype string -> attribute naming the same type in torch and numpy (bf16 / fp8: in ml_dtypes)
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+}
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The safetensors dtype string of a torch dtype (e.g. torch.bfloat16 -> "BF16")."""
-    try:
-        return _TORCH_TO_ST[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
+def dtype_name(dtype) -> str:
+    """The safetensors dtype string of a torch or numpy dtype (e.g. torch.bfloat16 -> "BF16")."""
+    if not type(dtype).__module__.startswith("torch"):
+        return numpy_dtype_name(dtype)
+    import torch
+
+    for name, attr in _TORCH_NAMES.items():
+        if getattr(torch, attr) == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} cannot be stored in safetensors")
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype string (e.g. "BF16" -> torch.bfloat16)."""
-    return DTYPES[name][0]
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype string (e.g. "BF16" -> torch.bfloat16); imports torch."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name])
+
+
+def numpy_dtype(name: str):
+    """The numpy dtype of a safetensors dtype string, little-endian (bfloat16 / float8 from `ml_dtypes`)."""
+    import numpy as np
+
+    if name in _ML_DTYPES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[name]))
+    return np.dtype(_TORCH_NAMES[name]).newbyteorder("<")
+
+
+def numpy_dtype_name(dtype) -> str:
+    """The safetensors dtype string of a numpy dtype (e.g. ml_dtypes.bfloat16 -> "BF16")."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    for name in ITEMSIZE:
+        candidate = numpy_dtype(name)
+        if dtype == candidate or (dtype.newbyteorder("<") == candidate and dtype.byteorder in "=|<"):
+            return name
+    raise ValueError(f"dtype {dtype} cannot be stored in safetensors")
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
     """Bytes a tensor of this safetensors dtype and shape occupies on disk."""
-    return math.prod(shape) * DTYPES[dtype][1]
+    return math.prod(shape) * ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
@@ -128,7 +155,7 @@ def read_header(path: Path) -> tuple[dict, int]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise corrupt(f"entry {name!r} lacks dtype/shape/data_offsets") from None
-        if dtype not in DTYPES:
+        if dtype not in ITEMSIZE:
             raise corrupt(f"tensor {name!r} has unknown dtype {dtype!r}")
         if not all(isinstance(dim, int) and dim >= 0 for dim in shape):
             raise corrupt(f"tensor {name!r} has a bad shape {list(shape)}")
@@ -272,53 +299,83 @@ class CheckpointReader:
             raise ReleaseError(f"{info.file}: ended early while reading {name!r}; the file is truncated.")
         return data
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Load just this tensor, in its stored dtype, on the CPU."""
+    def _read_into(self, info: TensorInfo, buffer) -> None:
+        with open(info.file, "rb") as handle:
+            handle.seek(info.offset)
+            if handle.readinto(buffer) != info.nbytes:
+                raise ReleaseError(f"{info.file}: ended early while reading {info.name!r}; the file is truncated.")
+
+    def array(self, name: str):
+        """Load just this tensor as a numpy array in its stored dtype (torch-free; bf16 via ml_dtypes)."""
+        import numpy as np
+
+        info = self.info(name)
+        buffer = bytearray(info.nbytes)
+        if info.nbytes:
+            self._read_into(info, buffer)
+        return np.frombuffer(buffer, dtype=numpy_dtype(info.dtype)).reshape(info.shape)
+
+    def tensor(self, name: str):
+        """Load just this tensor as a torch tensor, in its stored dtype, on the CPU (imports torch)."""
+        import torch
+
         info = self.info(name)
         dtype = torch_dtype(info.dtype)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
         buffer = bytearray(info.nbytes)
-        with open(info.file, "rb") as handle:
-            handle.seek(info.offset)
-            if handle.readinto(buffer) != info.nbytes:
-                raise ReleaseError(f"{info.file}: ended early while reading {name!r}; the file is truncated.")
+        self._read_into(info, buffer)
         return torch.frombuffer(buffer, dtype=dtype).reshape(info.shape)
 
 
-def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
-    """A CPU tensor's raw bytes in row-major order (a view, no dtype conversion)."""
+def tensor_to_bytes(tensor) -> memoryview:
+    """A CPU torch tensor's or numpy array's raw bytes in row-major order (a view, no dtype conversion)."""
+    if not type(tensor).__module__.startswith("torch"):
+        import numpy as np
+
+        array = np.ascontiguousarray(tensor)
+        return memoryview(array.reshape(-1).view(np.uint8)).cast("B") if array.size else memoryview(b"")
+    import torch
+
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def _copy_range(src: Path, offset: int, nbytes: int, dst) -> None:
-    """Copy `nbytes` from `src` at `offset` to the current position of open file `dst`, in the kernel if possible."""
+def _copy_range(src, offset: int, nbytes: int, dst) -> None:
+    """Copy `nbytes` from `src` at `offset` to the current position of open file `dst`, in the kernel if possible.
+
+    `src` is a path, or a file opened for binary reading (kept open by the caller across many ranges, so
+    the kernel's readahead keeps its sequential state; its position is not used).
+    """
+    if isinstance(src, (str, os.PathLike)):
+        with open(src, "rb") as handle:
+            _copy_range(handle, offset, nbytes, dst)
+        return
+    handle, name = src, getattr(src, "name", "the source")
     dst.flush()
     out_fd = dst.fileno()
-    with open(src, "rb") as handle:
-        in_fd = handle.fileno()
-        left, pos = nbytes, offset
-        try:
-            while left:
-                done = os.copy_file_range(in_fd, out_fd, min(left, 1 << 30), pos)
-                if done == 0:
-                    raise ReleaseError(f"{src}: ended early while copying; the file is truncated.")
-                left -= done
-                pos += done
-        except OSError as error:
-            if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
-                raise
-            handle.seek(pos)
-            while left:
-                chunk = handle.read(min(_COPY_CHUNK, left))
-                if not chunk:
-                    raise ReleaseError(f"{src}: ended early while copying; the file is truncated.") from None
-                dst.write(chunk)
-                left -= len(chunk)
-            dst.flush()
+    in_fd = handle.fileno()
+    left, pos = nbytes, offset
+    try:
+        while left:
+            done = os.copy_file_range(in_fd, out_fd, min(left, 1 << 30), pos)
+            if done == 0:
+                raise ReleaseError(f"{name}: ended early while copying; the file is truncated.")
+            left -= done
+            pos += done
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+            raise
+        handle.seek(pos)
+        while left:
+            chunk = handle.read(min(_COPY_CHUNK, left))
+            if not chunk:
+                raise ReleaseError(f"{name}: ended early while copying; the file is truncated.") from None
+            dst.write(chunk)
+            left -= len(chunk)
+        dst.flush()
     dst.seek(0, os.SEEK_END)
 
 
@@ -421,7 +478,7 @@ class ShardedWriter:
             raise ValueError("the writer is closed")
         if name in self._weight_map:
             raise ValueError(f"tensor {name!r} was added twice")
-        if dtype not in DTYPES:
+        if dtype not in ITEMSIZE:
             raise ValueError(f"unknown safetensors dtype {dtype!r}")
         shape = tuple(int(d) for d in shape)
         nbytes = tensor_nbytes(dtype, shape)
@@ -447,8 +504,8 @@ class ShardedWriter:
         return nbytes
 
     # -- adding tensors ---------------------------------------------------------------------------------
-    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one tensor (its dtype and shape as given); the tensor is not kept."""
+    def add_tensor(self, name: str, tensor) -> None:
+        """Write one torch tensor or numpy array (its dtype and shape as given); the tensor is not kept."""
         self.add_raw(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor_to_bytes(tensor))
 
     def add_raw(self, name: str, dtype: str, shape: Sequence[int], data) -> None:
@@ -467,8 +524,9 @@ class ShardedWriter:
         """Begin a tensor whose bytes the caller then supplies with `write_range` calls; returns its size."""
         return self._start_tensor(name, dtype, shape)
 
-    def write_range(self, src: Path, offset: int, nbytes: int) -> None:
-        """Append `nbytes` of file `src` from `offset` to the current tensor (kernel-side copy)."""
+    def write_range(self, src, offset: int, nbytes: int) -> None:
+        """Append `nbytes` of `src` (a path, or a file open for binary reading) from `offset` to the current
+        tensor (kernel-side copy)."""
         _copy_range(src, offset, nbytes, self._file())
 
     def _file(self):
@@ -592,14 +650,16 @@ def iter_chunks(data: bytes | memoryview, chunk_bytes: int = _COPY_CHUNK) -> Ite
         yield view[start : start + chunk_bytes]
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """Write a small single-file safetensors (e.g. a patch) deterministically, mode 0644.
 
-    Tensors are written in the order given; metadata values must be strings (JSON-encode structures).
+    Values are torch tensors or numpy arrays (the same bytes either way); they are written in the order
+    given; metadata values must be strings (JSON-encode structures).
     """
     path = Path(path)
     meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
-    entries = [(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()]
+    entries = [(name, dtype_name(t.dtype), tuple(t.shape), tensor_nbytes(dtype_name(t.dtype), tuple(t.shape)))
+               for name, t in tensors.items()]
     with open(path, "wb") as handle:
         handle.write(_header_bytes(entries, meta))
         for tensor in tensors.values():
@@ -607,7 +667,13 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     os.chmod(path, 0o644)
 
 
-def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read every tensor of a single safetensors file plus its `__metadata__` (for small files such as patches)."""
+def load_tensors(path: Path) -> tuple[dict, dict[str, str]]:
+    """Read every tensor of a single safetensors file (torch tensors) plus its `__metadata__` (small files)."""
     reader = CheckpointReader(Path(path))
     return {name: reader.tensor(name) for name in reader.names()}, reader.shard_metadata(Path(path).name)
+
+
+def load_arrays(path: Path) -> tuple[dict, dict[str, str]]:
+    """Like `load_tensors`, as numpy arrays (torch-free)."""
+    reader = CheckpointReader(Path(path))
+    return {name: reader.array(name) for name in reader.names()}, reader.shard_metadata(Path(path).name)
