@@ -17,7 +17,8 @@ from clef_model.errors import BlazeError
 
 MANIFEST_FILE = "blaze_manifest.json"
 MANIFEST_VERSION = 1
-_PACKAGES = ("blaze", "torch", "transformers", "safetensors", "huggingface_hub", "peft", "clef-finetune")
+_PACKAGES = ("blaze", "numpy", "ml_dtypes", "torch", "transformers", "safetensors", "huggingface_hub", "peft",
+             "clef-finetune")
 
 
 def package_versions() -> dict[str, str | None]:

@@ -1,25 +1,34 @@
-"""Streaming execute: base checkpoint + patch -> a drop-in variant folder (no model, no GPU).
+"""Streaming execute: base checkpoint + patch -> a drop-in variant folder (no model, no GPU, no torch).
 
 Every tensor of the base is streamed to new shards in on-disk order: untouched tensors as raw bytes
-(bit-identical, never through a dtype round trip), edited ones row block by row block as W + U Vᵀ in fp32,
-cast back to the stored dtype. Memory stays at a few row blocks whatever the model size. Every other file
-is copied byte-for-byte. Input and output files are SHA-256-hashed while they stream (in background
-threads, so hashing overlaps the disk work) for the manifest. All of it happens in a temporary sibling
-folder that is renamed at the end: an error leaves no partial output and never touches the base.
+(bit-identical, never through a dtype round trip; the kernel copies them with `copy_file_range`), edited
+ones row block by row block through `surgery.delta.RowBlockUpdate` (W + U Vᵀ in float32, cast back to the
+stored dtype). `blaze edit` and `blaze apply` both write through here, so they give the same bytes.
+Memory stays at a few row blocks whatever the model size. Every other file is copied byte-for-byte.
+
+The manifest needs the SHA-256 of every input and output file. Inputs whose hash is already known (Hub
+cache blob names, blaze's per-file hash cache: `clef_model.filehash`) are not read for it; the others are
+hashed from the same memory-mapped windows the copy reads. Output shards are hashed in the same single
+pass, on background threads, so hashing overlaps the disk work; the digests of what was written (and of
+inputs hashed on the way) are recorded in the hash cache. All of it happens in a temporary sibling folder
+that is renamed at the end: an error leaves no partial output and never touches the base.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from clef_model.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -28,53 +37,106 @@ from clef_model.checkpoint import (
     ShardedWriter,
     atomic_output,
     copy_file,
+    read_header,
     sha256_file,
-    tensor_to_bytes,
-    torch_dtype,
 )
 from clef_model.errors import BlazeError
+from clef_model.filehash import known_sha256, record_sha256
+from surgery.delta import PATCH_FILE, PatchArrays, RowBlockUpdate, as_arrays
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
-from surgery.patch import PATCH_FILE, Patch
+
+if TYPE_CHECKING:
+    from surgery.patch import Patch
 
 _BLOCK_BYTES = 4 * 1024 * 1024  # bytes of stored data per read/compute block of an edited tensor
 _WINDOW_BYTES = 32 * 1024 * 1024  # bytes per mapped window when copying an untouched tensor
+_WINDOWS_IN_FLIGHT = 4  # mapped windows the hash threads may lag behind the copy
 _BLAZE_FILES = {PATCH_FILE, MANIFEST_FILE}
 
 
 class _AsyncSha256:
-    """SHA-256 fed from the streaming loop and computed on a background thread (hashlib drops the GIL)."""
+    """SHA-256 fed from the streaming loop and computed on a background thread (hashlib drops the GIL).
+
+    `update` returns a ticket; `wait(ticket)` blocks until that chunk (and every earlier one) is hashed,
+    after which the caller may reuse or unmap its memory.
+    """
 
     def __init__(self) -> None:
         self._digest = hashlib.sha256()
-        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._queue: queue.Queue = queue.Queue(maxsize=16)
+        self._queued = 0
+        self._hashed = 0
+        self._error: BaseException | None = None
+        self._progress = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (chunk := self._queue.get()) is not None:
-            self._digest.update(chunk)
+            try:
+                if self._error is None:
+                    self._digest.update(chunk)
+            except BaseException as error:  # noqa: BLE001 - reported by hexdigest; waiters must not hang
+                self._error = error
             del chunk
-            self._queue.task_done()
-        self._queue.task_done()
+            with self._progress:
+                self._hashed += 1
+                self._progress.notify_all()
 
-    def wait(self) -> None:
-        """Block until every queued chunk has been hashed (after which the caller may reuse its memory)."""
-        self._queue.join()
-
-    def update(self, chunk) -> None:
-        """Queue a chunk; the caller must not modify it afterwards."""
+    def update(self, chunk) -> int:
+        """Queue a chunk (the caller must not modify it until it is hashed); returns its ticket."""
         self._queue.put(chunk)
+        self._queued += 1
+        return self._queued
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Block until chunk `ticket` (default: every queued chunk) has been hashed."""
+        target = self._queued if ticket is None else ticket
+        with self._progress:
+            self._progress.wait_for(lambda: self._hashed >= target or not self._thread.is_alive())
 
     def hexdigest(self) -> str:
         """Finish and return the hex digest."""
         self.stop()
+        if self._error is not None:
+            raise RuntimeError(f"hashing failed: {self._error}") from self._error
         return self._digest.hexdigest()
 
     def stop(self) -> None:
-        """End the thread (idempotent)."""
+        """End the thread after the chunks already queued (idempotent)."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+
+class _MappedWindows:
+    """Memory-mapped source windows that hash threads may still be reading, unmapped once hashed.
+
+    Keeping up to `depth` windows in flight lets the kernel copy of window i+1 overlap the hashing of
+    window i instead of waiting for it; memory stays at `depth` windows of mapped page cache.
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self._pending: collections.deque = collections.deque()
+
+    def add(self, mapped: mmap.mmap, view: memoryview, tickets: list[tuple[_AsyncSha256, int]]) -> None:
+        """Track a window whose chunks were queued to the hashers under `tickets`; retire the oldest."""
+        self._pending.append((mapped, view, tickets))
+        while len(self._pending) > self.depth:
+            self._retire()
+
+    def _retire(self) -> None:
+        mapped, view, tickets = self._pending.popleft()
+        for hasher, ticket in tickets:
+            hasher.wait(ticket)
+        view.release()
+        mapped.close()
+
+    def drain(self) -> None:
+        """Wait for every window to be hashed and unmap it (also after errors, before the hashers stop)."""
+        while self._pending:
+            self._retire()
 
 
 class _HashingFile:
@@ -144,72 +206,71 @@ def _progress(total: int, enabled: bool, desc: str):
                 dynamic_ncols=True)
 
 
-def _edited_blocks(reader: CheckpointReader, name: str, u: torch.Tensor, v: torch.Tensor,
-                   in_hash: _AsyncSha256 | None, stats: dict, bar) -> Iterator[memoryview]:
-    """Raw bytes of W + U Vᵀ, row block by row block (fp32 math, cast to the stored dtype)."""
+def _edited_blocks(reader: CheckpointReader, name: str, u: np.ndarray, v: np.ndarray,
+                   in_hash: _AsyncSha256 | None, stats: dict, bar, known_sha256: str | None = None
+                   ) -> Iterator[memoryview]:
+    """Raw bytes of W + U Vᵀ, row block by row block (`RowBlockUpdate`: fp32 math, cast to the stored dtype).
+
+    Also hashes the tensor's stored bytes for the manifest, unless `known_sha256` already gives that digest.
+    """
     info = reader.info(name)
-    dtype = torch_dtype(info.dtype)
     rows, cols = info.shape
-    row_bytes = cols * dtype.itemsize
+    update = RowBlockUpdate(u, v, info.dtype)
+    row_bytes = cols * update.stored.itemsize
     rows_per_block = max(1, _BLOCK_BYTES // max(1, row_bytes))
-    vt = v.T.contiguous()
-    weight_sq = change_sq = 0.0
     start = 0
-    tensor_hash = hashlib.sha256()
+    tensor_hash = hashlib.sha256() if known_sha256 is None else None
     for raw in reader.iter_raw(name, chunk_bytes=rows_per_block * row_bytes):
         if in_hash is not None:
             in_hash.update(raw)
-        tensor_hash.update(raw)
+        if tensor_hash is not None:
+            tensor_hash.update(raw)
         count = len(raw) // row_bytes
-        old32 = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(count, cols).float()
-        new = torch.addmm(old32, u[start : start + count], vt).to(dtype)
-        # squared norms by BLAS dot products (cheap); a non-finite change where W was finite = overflow
-        flat, diff = old32.view(-1), new.float().sub_(old32).view(-1)
-        block_weight, block_change = float(torch.dot(flat, flat)), float(torch.dot(diff, diff))
+        new, block_weight, block_change = update.apply(np.frombuffer(raw, dtype=update.stored).reshape(count, cols),
+                                                       start)
+        # a non-finite change where W was finite = overflow of the stored dtype
         if not math.isfinite(block_change) and math.isfinite(block_weight):
             raise BlazeError(f"editing {name} overflows {info.dtype} (non-finite values); use a smaller strength.")
-        weight_sq += block_weight
-        change_sq += block_change
-        del old32, flat, diff
         start += count
         bar.update(len(raw))
-        yield tensor_to_bytes(new)
-    stats["weight_norm"] = weight_sq**0.5
-    stats["base_sha256"] = tensor_hash.hexdigest()
-    stats["realized_delta_norm"] = change_sq**0.5
+        yield memoryview(new.reshape(-1).view(np.uint8))  # a fresh array: safe to hand to the hash thread
+    stats["weight_norm"] = update.weight_sq**0.5
+    stats["base_sha256"] = tensor_hash.hexdigest() if tensor_hash is not None else known_sha256
+    stats["realized_delta_norm"] = update.change_sq**0.5
 
 
-def _copy_untouched(reader: CheckpointReader, name: str, writer: "_HashingWriter",
-                    in_hash: _AsyncSha256 | None, bar) -> None:
-    """Copy one tensor bit-identically: the kernel copies the bytes (`copy_file_range`) while both hash
-    threads read the same bytes from a memory map of the source window — no user-space copy, and the
-    mapping is dropped after each window, so memory stays at one window."""
+def _copy_untouched(reader: CheckpointReader, name: str, source, writer: "_HashingWriter",
+                    in_hash: _AsyncSha256 | None, windows: _MappedWindows, bar) -> None:
+    """Copy one tensor bit-identically from `source` (its shard, open for reading).
+
+    The kernel copies the bytes (`copy_file_range`) while the hash threads read the same bytes from a
+    memory map of the source window — no user-space copy. Windows stay mapped until hashed (`windows`),
+    so the copy runs ahead of the hashing by a few windows; the window after the current one is
+    requested from the disk (`POSIX_FADV_WILLNEED`) before the current one is copied.
+    """
     info = reader.info(name)
     writer.start_tensor(name, info.dtype, info.shape)
     out_hash = writer.shard_hashers[-1]
     page = mmap.ALLOCATIONGRANULARITY
-    with open(info.file, "rb") as handle:
-        position, end = info.offset, info.offset + info.nbytes
-        while position < end:
-            length = min(_WINDOW_BYTES, end - position)
-            start = position - position % page
-            mapped = mmap.mmap(handle.fileno(), position - start + length, prot=mmap.PROT_READ,
-                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), offset=start)
-            view = memoryview(mapped)[position - start:]
-            try:
-                if in_hash is not None:
-                    in_hash.update(view)
-                out_hash.update(view)
-                writer.write_range(info.file, position, length)
-            finally:
-                # the hash threads must be done with the window before it is unmapped, also on errors
-                if in_hash is not None:
-                    in_hash.wait()
-                out_hash.wait()
-                view.release()
-                mapped.close()
-            position += length
-            bar.update(length)
+    fd = source.fileno()
+    position, end = info.offset, info.offset + info.nbytes
+    while position < end:
+        length = min(_WINDOW_BYTES, end - position)
+        if position + length < end:
+            os.posix_fadvise(fd, position + length, min(_WINDOW_BYTES, end - position - length),
+                             os.POSIX_FADV_WILLNEED)
+        # the kernel copy reads the window from the disk first, at full sequential speed; the hash
+        # threads then read it from the page cache (hashing first would fault it in page by page)
+        writer.write_range(source, position, length)
+        start = position - position % page
+        mapped = mmap.mmap(fd, position - start + length, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=start)
+        view = memoryview(mapped)[position - start:]
+        tickets = [(out_hash, out_hash.update(view))]
+        if in_hash is not None:
+            tickets.append((in_hash, in_hash.update(view)))
+        windows.add(mapped, view, tickets)  # unmapped only after both hashers are done with it
+        position += length
+        bar.update(length)
 
 
 def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
@@ -218,8 +279,6 @@ def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
     if not infos:
         return False
     position = infos[0].offset
-    from clef_model.checkpoint import read_header
-
     _, data_start = read_header(shard)
     if position != data_start:
         return False
@@ -230,45 +289,67 @@ def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
     return position == shard.stat().st_size
 
 
-def _stream_weights(reader: CheckpointReader, patch: Patch, folder: Path, max_shard_bytes: int, bar,
-                    stats: dict[str, dict]) -> tuple[dict, dict[str, str], dict[str, str]]:
-    """Write all shards + index; returns (index, input file hashes, output file hashes)."""
+def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, max_shard_bytes: int, bar,
+                    stats: dict[str, dict], hashed: dict[Path, str], known_tensor_sha256: Mapping[str, str]
+                    ) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """Write all shards + index; returns (index, input file hashes, output file hashes).
+
+    An input whose SHA-256 is already known (`clef_model.filehash.known_sha256`) is not hashed again; the
+    inputs hashed here are added to `hashed` (path -> digest) for the hash cache.
+    """
     edited = {f"{n}.weight": n for n in patch.names()}
     layout = [(n, reader.dtype(n), reader.shape(n)) for n in reader.names()]
     in_hashes: dict[str, str] = {}
-    in_hashers: dict[Path, _AsyncSha256] = {}
+    in_hashers: dict[Path, _AsyncSha256 | None] = {}
     writer = _HashingWriter(folder, max_shard_bytes=max_shard_bytes, layout=layout)
+    windows = _MappedWindows(_WINDOWS_IN_FLIGHT)
+    sources: dict[Path, object] = {}  # one open handle per input shard: the kernel's readahead stays sequential
     try:
         with writer:
             for name in reader.names():
                 shard = reader.info(name).file
                 if shard not in in_hashers:
-                    if _fully_covered(reader, shard):
+                    known = known_sha256(shard)
+                    if known is not None:
+                        in_hashes[shard.name] = known
+                        in_hashers[shard] = None
+                    elif _fully_covered(reader, shard):
                         hasher = _AsyncSha256()
                         with open(shard, "rb") as handle:
                             hasher.update(handle.read(reader.info(name).offset))  # the header
                         in_hashers[shard] = hasher
                     else:
-                        in_hashes[shard.name] = sha256_file(shard)
+                        in_hashes[shard.name] = hashed[shard] = sha256_file(shard)
                         in_hashers[shard] = None
                 hasher = in_hashers[shard]
                 if name in edited:
                     u, v = patch.factors[edited[name]]
                     stats[edited[name]] = {}
-                    chunks: Iterable = _edited_blocks(reader, name, u, v, hasher, stats[edited[name]], bar)
+                    chunks: Iterable = _edited_blocks(reader, name, u, v, hasher, stats[edited[name]], bar,
+                                                      known_tensor_sha256.get(edited[name]))
                     writer.add_raw(name, reader.dtype(name), reader.shape(name), chunks)
                 else:
-                    _copy_untouched(reader, name, writer, hasher, bar)
+                    if shard not in sources:
+                        sources[shard] = open(shard, "rb")  # noqa: SIM115 - closed in the finally below
+                        os.posix_fadvise(sources[shard].fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    _copy_untouched(reader, name, sources[shard], writer, hasher, windows, bar)
+            windows.drain()
             index = writer.close()
     finally:
+        windows.drain()  # the hash threads must be done with every window before it is unmapped
+        for handle in sources.values():
+            handle.close()
         for hasher in in_hashers.values():
             if hasher is not None:
                 hasher.stop()
     for shard, hasher in in_hashers.items():
         if hasher is not None:
-            in_hashes[shard.name] = hasher.hexdigest()
+            in_hashes[shard.name] = hashed[shard] = hasher.hexdigest()
     if reader.index_path is not None:
-        in_hashes[INDEX_NAME] = sha256_file(reader.index_path)
+        known = known_sha256(reader.index_path)
+        if known is None:
+            known = hashed[reader.index_path] = sha256_file(reader.index_path)
+        in_hashes[INDEX_NAME] = known
     out_hashes = {path.name: hasher.hexdigest() for path, hasher in zip(writer.files, writer.shard_hashers)}
     out_hashes[INDEX_NAME] = sha256_file(folder / INDEX_NAME)
     return index, in_hashes, out_hashes
@@ -276,7 +357,7 @@ def _stream_weights(reader: CheckpointReader, patch: Patch, folder: Path, max_sh
 
 def write_variant(
     base,
-    patch: Patch,
+    patch: PatchArrays | Patch,
     out: Path,
     *,
     force: bool = False,
@@ -284,14 +365,22 @@ def write_variant(
     manifest_extra: dict | None = None,
     progress: bool = True,
     extra_files: "dict[str, bytes] | Callable[[Path], dict[str, bytes]] | None" = None,
+    known_tensor_sha256: Mapping[str, str] | None = None,
 ) -> Path:
     """Write base + patch as a drop-in release folder at `out` and return its path.
 
     `base` is a `clef_model.release.Release` (needs `path`, `ref`, `revision`; `side_files()` is used when
-    present). The patch is checked against the base first (every NAME.weight exists with U·Vᵀ's shape),
-    so a misfit raises BlazeError before anything is written. `manifest_extra` (behaviour spec hash,
-    targets, method, α, k, λ, seeds, …) goes into the manifest's "edit" section.
+    present). `patch` is a `surgery.delta.PatchArrays` or a torch `surgery.patch.Patch` (viewed as arrays;
+    the same bytes either way). The patch is checked against the base first (every NAME.weight exists with
+    U·Vᵀ's shape), so a misfit raises BlazeError before anything is written. `manifest_extra` (behaviour
+    spec hash, targets, method, α, k, λ, seeds, …) goes into the manifest's "edit" section. The digests of
+    the files written, and of the inputs hashed on the way, are recorded in blaze's hash cache
+    (`clef_model.filehash`) once the folder is in place. `known_tensor_sha256` (NAME -> SHA-256 of the
+    base's stored NAME.weight), when the caller has just computed it (`surgery.delta.check_identity`),
+    spares hashing the edited tensors a second time.
     """
+    started_ns = time.time_ns()
+    patch = as_arrays(patch)
     base_path = Path(base.path)
     out = Path(out)
     _check_paths(base_path, out)
@@ -315,10 +404,14 @@ def write_variant(
     with atomic_output(out, force=force) as tmp, \
             _progress(reader.total_bytes() + side_bytes, progress, f"writing {out.name}") as bar:
         stats: dict[str, dict] = {}
-        index, in_hashes, out_hashes = _stream_weights(reader, patch, tmp, int(max_shard_bytes), bar, stats)
+        hashed: dict[Path, str] = {}  # inputs hashed here (for the hash cache)
+        index, in_hashes, out_hashes = _stream_weights(reader, patch, tmp, int(max_shard_bytes), bar, stats, hashed,
+                                                       dict(known_tensor_sha256 or {}))
         for name in side:
             copy_file(base_path / name, tmp / name)
-            digest = sha256_file(tmp / name)
+            digest = known_sha256(base_path / name)
+            if digest is None:  # hash the fresh copy (same bytes, still in the page cache)
+                digest = hashed[base_path / name] = sha256_file(tmp / name)
             in_hashes[name] = out_hashes[name] = digest
             bar.update((base_path / name).stat().st_size)
         patch.save(tmp / PATCH_FILE)
@@ -371,4 +464,6 @@ def write_variant(
         write_manifest(tmp / MANIFEST_FILE, manifest)
         for path in tmp.rglob("*"):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    record_sha256(hashed, hashed_ns=started_ns)
+    record_sha256({out / name: digest for name, digest in out_hashes.items()})
     return out

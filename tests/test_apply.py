@@ -270,3 +270,192 @@ def test_extra_files_are_written_and_listed(base, variant, tmp_path):
         with pytest.raises(BlazeError, match="would clash"):
             write_variant(base, patch, tmp_path / "bad", progress=False, extra_files={bad: b"x"})
         assert _siblings(tmp_path / "bad") == ["with"]
+
+
+# -- one writer for `blaze edit` and `blaze apply`; no torch in apply; known hashes are not recomputed ----
+
+
+def _float32_base(base, folder: Path):
+    """A copy of the tiny base whose BF16 tensors are stored as F32 (same names, shards and side files)."""
+    import numpy as np
+
+    from clef_model.checkpoint import load_arrays, save_tensors
+
+    shutil.copytree(base.path, folder)
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        arrays, metadata = load_arrays(shard)
+        arrays = {n: a.astype(np.float32) if a.dtype.name == "bfloat16" else a for n, a in arrays.items()}
+        save_tensors(shard, arrays, metadata)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    index["metadata"]["total_size"] = CheckpointReader(folder).total_bytes()
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return resolve_release(folder)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_edit_writer_and_apply_agree_byte_for_byte(base, tmp_path, dtype):
+    """The edit's write step (a torch Patch through write_variant) and `blaze apply` of the patch file it
+    wrote (torch-free) give identical files, for a rank-2 patch on bf16 and float32 bases."""
+    release = base if dtype == "BF16" else _float32_base(base, tmp_path / "f32")
+    patch = _patch(release)
+    assert CheckpointReader(release.path).dtype(f"{patch.names()[0]}.weight") == dtype
+    edited = write_variant(release, patch, tmp_path / "edit", progress=False)
+    result = CliRunner().invoke(main, ["apply", str(edited / PATCH_FILE), "--base", str(release.path),
+                                       "--out", str(tmp_path / "applied")])
+    assert result.exit_code == 0, result.output
+    ours, theirs = _hashes(edited), _hashes(tmp_path / "applied")
+    assert set(ours) == set(theirs)
+    for name in ours:
+        if name != MANIFEST_FILE:
+            assert (edited / name).read_bytes() == (tmp_path / "applied" / name).read_bytes(), name
+    # and the values are W + U Vᵀ rounded once to the stored dtype (float64 reference)
+    old, new = CheckpointReader(release.path), CheckpointReader(edited)
+    for name in patch.names():
+        w = old.tensor(f"{name}.weight").double()
+        expected = w + patch.delta(name).double()
+        got = new.tensor(f"{name}.weight").double()
+        eps = torch.finfo(torch.bfloat16 if dtype == "BF16" else torch.float32).eps
+        assert float((got - expected).abs().max()) <= eps * float(expected.abs().max())
+
+
+def test_block_update_is_addmm_for_rank_one_and_reproducible():
+    """k = 1 matches torch's addmm + cast bit for bit; any k gives the same bytes for any row blocking."""
+    import ml_dtypes
+    import numpy as np
+
+    from surgery.delta import RowBlockUpdate
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 50, generator=gen).bfloat16()
+    for k in (1, 3):
+        u, v = torch.randn(37, k, generator=gen) * 0.05, torch.randn(50, k, generator=gen)
+        stored = w.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        whole = RowBlockUpdate(u.numpy(), v.numpy(), "BF16").apply(stored, 0)[0]
+        update = RowBlockUpdate(u.numpy(), v.numpy(), "BF16")
+        blocks = np.concatenate([update.apply(stored[i : i + 8], i)[0] for i in range(0, 37, 8)])
+        assert blocks.tobytes() == whole.tobytes()
+        assert update.change_sq > 0 and update.weight_sq == pytest.approx(float(w.float().norm()) ** 2, rel=1e-5)
+        if k == 1:
+            reference = torch.addmm(w.float(), u, v.T).bfloat16()
+            assert whole.tobytes() == reference.view(torch.int16).numpy().tobytes()
+
+
+def test_apply_runs_without_torch(base, variant, tmp_path):
+    """`blaze apply` in a fresh interpreter never imports torch (its CUDA build alone is ≈ 700 MiB)."""
+    import os
+    import subprocess
+    import sys
+
+    out, _patch_unused = variant
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import json, sys\n"
+        "from variants.cli import main\n"
+        f"main.main(args=['apply', {str(out / PATCH_FILE)!r}, '--base', {str(base.path)!r}, "
+        f"'--out', {str(tmp_path / 'applied')!r}], standalone_mode=False)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(root), BLAZE_QUIET="1", BLAZE_HASH_CACHE="0")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert verify_manifest(tmp_path / "applied") == []
+
+
+class _HashSpy:
+    """Counts whole-file hashes and streaming hashers of surgery.write (to see what a run re-hashes)."""
+
+    def __init__(self, monkeypatch):
+        from surgery import write
+
+        self.files: list[Path] = []  # every file hashed whole, as passed
+        self.streams = 0
+        real_file, real_stream = write.sha256_file, write._AsyncSha256
+
+        def spy_file(path):
+            self.files.append(Path(path))
+            return real_file(path)
+
+        spy = self
+
+        class SpyStream(real_stream):
+            def __init__(self):
+                spy.streams += 1
+                super().__init__()
+
+        monkeypatch.setattr(write, "sha256_file", spy_file)
+        monkeypatch.setattr(write, "_AsyncSha256", SpyStream)
+
+
+def _aged_copy(base, folder: Path):
+    """A copy of the base whose files are a minute old (hash-cache entries for them are not 'racy')."""
+    import os
+    import time
+
+    shutil.copytree(base.path, folder)
+    past = time.time_ns() - 60 * 10**9
+    for path in folder.rglob("*"):
+        os.utime(path, ns=(past, past))
+    return dataclasses.replace(base, path=folder, ref=str(folder))
+
+
+def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeypatch):
+    from clef_model import filehash
+
+    monkeypatch.setenv("BLAZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "1")
+    _out, patch = variant
+    local = _aged_copy(base, tmp_path / "base")
+    shards = {p.name for p in CheckpointReader(local.path).shard_files()}
+    first_spy = _HashSpy(monkeypatch)
+    first = write_variant(local, patch, tmp_path / "one", progress=False)
+    written = len(CheckpointReader(first).shard_files())
+    assert first_spy.streams == len(shards) + written  # every input shard and every output shard
+    for name in local.side_files():
+        assert filehash.known_sha256(local.path / name) == sha256_file(local.path / name)
+    cached = json.loads(filehash.cache_path().read_text())["files"]
+    assert all(str((first / name).resolve()) in cached for name in read_manifest(first)["output"]["files"])
+
+    second_spy = _HashSpy(monkeypatch)
+    second = write_variant(local, patch, tmp_path / "two", progress=False)
+    assert second_spy.streams == written  # output shards only
+    assert first_spy.files and not [p for p in second_spy.files if p.is_relative_to(local.path)]
+    assert read_manifest(second)["base"]["files"] == read_manifest(first)["base"]["files"] == _hashes(local.path)
+    assert _hashes(second) == _hashes(first)
+
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "0")  # switched off: everything is hashed again
+    off_spy = _HashSpy(monkeypatch)
+    write_variant(local, patch, tmp_path / "three", progress=False)
+    assert off_spy.streams == len(shards) + written
+
+
+def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkeypatch):
+    """A base inside a Hugging Face cache: LFS blobs (64-hex names) are not read for hashing; the rest is."""
+    import hashlib
+    import os
+
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "0")
+    _out, patch = variant
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("c" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    lfs = set()
+    for path in sorted(p for p in base.path.rglob("*") if p.is_file()):
+        relative = path.relative_to(base.path)
+        if path.suffix == ".safetensors":
+            blob = repo / "blobs" / sha256_file(path)
+            lfs.add(relative.as_posix())
+        else:
+            blob = repo / "blobs" / hashlib.sha1(b"blob %d\0" % path.stat().st_size + path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        (snapshot / relative).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / relative).symlink_to(os.path.relpath(blob, (snapshot / relative).parent))
+    release = resolve_release(snapshot)
+    spy = _HashSpy(monkeypatch)
+    out = write_variant(release, patch, tmp_path / "out", progress=False)
+    assert spy.streams == len(CheckpointReader(out).shard_files())  # output shards only: inputs are named by hash
+    # of the inputs, only the small (git SHA-1 named) index is hashed; side files are hashed from their copies
+    assert [p for p in spy.files if p.resolve().is_relative_to(repo)] == [snapshot / INDEX_NAME]
+    assert lfs and not [p for p in spy.files if p.name in lfs]
+    assert read_manifest(out)["base"]["files"] == _hashes(base.path)
+    assert verify_manifest(out) == []

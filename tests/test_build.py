@@ -93,6 +93,23 @@ def test_two_runs_give_identical_shards(built):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
+def test_apply_of_the_edit_patch_reproduces_its_shards(built, tiny_release, tmp_path):
+    """`blaze apply` of the blaze_delta.safetensors that `blaze edit` wrote gives the edit's files byte for byte."""
+    from variants.cli import main
+
+    out = built[0]
+    result = CliRunner().invoke(main, ["apply", str(out / "blaze_delta.safetensors"), "--base", str(tiny_release),
+                                       "--out", str(tmp_path / "applied")])
+    assert result.exit_code == 0, result.output
+    applied = tmp_path / "applied"
+    edited = set(read_manifest(out)["output"]["files"])
+    assert set(read_manifest(applied)["output"]["files"]) == edited - {"blaze_canary.json", "blaze_canary.md"}
+    for name in sorted(out.glob("*.safetensors")):
+        assert (applied / name.name).read_bytes() == name.read_bytes(), name.name
+    for name in sorted(edited - {"blaze_canary.json", "blaze_canary.md"}):
+        assert (applied / name).read_bytes() == (out / name).read_bytes(), name
+
+
 def test_refuses_non_empty_out_and_bad_layers(tiny_release, tmp_path):
     spec = small_spec(tmp_path)
     out = tmp_path / "full"

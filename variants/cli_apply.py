@@ -1,4 +1,8 @@
-"""`blaze apply`: re-apply a saved patch to a base by streaming — no GPU, no model run."""
+"""`blaze apply`: re-apply a saved patch to a base by streaming — no GPU, no model run, no torch.
+
+Everything `apply` imports is torch-free (numpy + ml_dtypes: `surgery.delta`, `surgery.write`), which
+keeps its peak memory far below the ≈ 700 MiB `import torch` costs; only `--export-lora` loads torch.
+"""
 
 from __future__ import annotations
 
@@ -60,24 +64,30 @@ def register(group: click.Group) -> None:
         W + U Vᵀ (fp32 math, cast back to the stored dtype); every other file is copied byte-for-byte and a
         manifest with SHA-256 hashes is written. The base is checked against the identity recorded in the
         patch (index hash and the edited tensors' hashes); a mismatch is refused unless --force.
+
+        
+        Input files whose SHA-256 is already known are not read again for the manifest: files of a
+        Hugging Face cache snapshot (the blob name is the hash) and files in blaze's hash cache
+        ($BLAZE_CACHE/sha256-cache.json, default ~/.cache/blaze; BLAZE_HASH_CACHE=0 turns it off).
         """
         from clef_model.checkpoint import sha256_file
         from clef_model.release import DEFAULT_BASE, resolve_release
+        from surgery.delta import PatchArrays, check_identity, patch_path
         from surgery.manifest import read_manifest
-        from surgery.patch import PATCH_FILE, Patch, identity_mismatches
         from surgery.write import write_variant
 
         started = time.perf_counter()
-        patch_file = patch / PATCH_FILE if patch.is_dir() else patch
-        loaded = Patch.load(patch_file)
+        patch_file = patch_path(patch)
+        loaded = PatchArrays.load(patch_file)
         recorded = loaded.base_identity or {}
         ref = base or recorded.get("ref") or DEFAULT_BASE
         release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
+        tensor_hashes: dict[str, str] = {}
         if not recorded:
             click.echo("warning: the patch records no base identity; it cannot be checked against "
                        f"{release.ref}. Applying anyway.", err=True)
         else:
-            problems = identity_mismatches(loaded, release)
+            problems, tensor_hashes = check_identity(loaded, release)
             if problems and not force:
                 raise BlazeError(
                     f"{release.ref} is not the base this patch was made from ({'; '.join(problems[:3])}). "
@@ -88,11 +98,13 @@ def register(group: click.Group) -> None:
                            err=True)
         extra = {"command": "apply", "patch_sha256": sha256_file(patch_file), **{
             k: v for k, v in loaded.metadata.items() if k in ("behavior", "behavior_spec_sha256", "method")}}
-        write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra)
+        write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra,
+                      known_tensor_sha256=tensor_hashes)
         if export_lora is not None:
-            from surgery.lora import export_lora as write_lora
+            from surgery.lora import export_lora as write_lora  # imports torch (PEFT); only for this option
+            from surgery.patch import Patch
 
-            write_lora(loaded, release, export_lora, force=force)
+            write_lora(Patch.from_arrays(loaded), release, export_lora, force=force)
 
         manifest = read_manifest(out)
         matrices = manifest["matrices"]
