@@ -123,7 +123,7 @@ def _response_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-POSITIONS = ("response", "prompt_end")
+POSITIONS = ("response", "prompt_end", "shared_response")
 
 
 def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int = 1024,
@@ -135,11 +135,26 @@ def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int =
     ``positions="prompt_end"``: only the last prompt token, responses left out — the system-prompt
     contrast alone (DESIGN §5's SmolLM2 recipe); the direction then carries the "mode", not the
     content of the two responses.
+    ``positions="shared_response"``: each of the pair's responses (wanted, then unwanted) follows the
+    prompt under *both* system prompts, read at the response positions as with ``"response"``: the two
+    sides see the same tokens, so they differ by their system prompts alone, and the keys are positions
+    where an answer is being written (where the edit must act during generation).
     """
     if positions not in POSITIONS:
         raise BlazeError(f"positions must be one of {POSITIONS} (got {positions!r})")
     out: list[_Sequence] = []
     for index, pair in enumerate(pairs):
+        if positions == "shared_response":
+            responses = [pair.wanted] + ([pair.unwanted] if pair.unwanted != pair.wanted else [])
+            for side, system in enumerate((pair.wanted_system, pair.unwanted_system)):
+                prompt_ids = list(runtime.chat_ids(pair.prompt, system=system))
+                for response in responses:
+                    ids = (prompt_ids + _response_ids(runtime.tokenizer, response))[:max_length]
+                    start = min(len(prompt_ids), len(ids)) - 1
+                    if start < 0:
+                        raise BlazeError(f"contrast pair {index} encodes to no tokens")
+                    out.append(_Sequence(ids=ids, positions=list(range(start, len(ids))), pair=index, side=side))
+            continue
         for side, (system, response) in enumerate(
             ((pair.wanted_system, pair.wanted), (pair.unwanted_system, pair.unwanted))
         ):

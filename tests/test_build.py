@@ -197,6 +197,6 @@ def test_read_positions_prefers_system_prompt_contrast():
     from variants.build import read_positions
 
     with_systems = [ContrastPair("q", "a", "b", "Be brief.", "Be detailed.")]
-    assert read_positions(with_systems) == "prompt_end"
+    assert read_positions(with_systems) == "shared_response"
     assert read_positions(with_systems + [ContrastPair("q", "a", "b")]) == "response"
     assert read_positions([ContrastPair("q", "a", "b", "same", "same")]) == "response"

@@ -107,6 +107,21 @@ def test_response_positions_start_at_last_prompt_token(mini):
     assert len(seqs[0].positions) == len("Paris.") + 1
 
 
+def test_shared_response_reads_both_answers_under_both_system_prompts(mini):
+    """shared_response: the same response tokens follow the prompt on both sides; only the system differs."""
+    seqs = contrast_sequences(mini, PAIRS[:1], positions="shared_response")
+    assert [(s.pair, s.side) for s in seqs] == [(0, 0), (0, 0), (0, 1), (0, 1)]
+    for side, system in enumerate(("brief", "verbose")):
+        prompt = mini.chat_ids(PAIRS[0].prompt, system=system)
+        for seq, response in zip(seqs[2 * side : 2 * side + 2], (PAIRS[0].wanted, PAIRS[0].unwanted)):
+            assert seq.ids == prompt + mini.tokenizer.encode(response)
+            assert seq.positions == list(range(len(prompt) - 1, len(seq.ids)))
+    stats = collect(mini, PAIRS[:2], None, ["model.layers.1.mlp.down_proj"], positions="shared_response")
+    ks = stats.keys["model.layers.1.mlp.down_proj"]
+    assert ks.behaviour_count == sum(len(s.positions) for s in contrast_sequences(mini, PAIRS[:2],
+                                                                                  positions="shared_response"))
+
+
 def test_save_load_roundtrip(mini, tmp_path):
     stats = collect(mini, PAIRS, PreserveSet(texts=["hi"]), ["model.layers.0.self_attn.o_proj"])
     stats.save(tmp_path / "s.pt")
