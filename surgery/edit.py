@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -157,8 +158,27 @@ def collect_statistics(
         "layer_scores": auto_scores,
     })
     if cache:
-        stats.save(cache)
+        size = stats.nbytes()
+        limit = _cache_limit_bytes()
+        if size <= limit:
+            stats.save(cache)
+        else:
+            # At 9B scale the key moments of 34 matrices are ≈ 23 GB: writing them cost ≈ 30 s and the page
+            # cache flush then slowed the variant's own write (GPU run, BENCHMARKS.md). Recollecting is cheaper.
+            say(f"statistics: {size / 1e9:.1f} GB, above the cache limit of {limit / 1e9:g} GB: kept in memory, "
+                f"not saved (set {CACHE_LIMIT_ENV} to raise the limit)")
     return stats
+
+
+CACHE_LIMIT_ENV = "BLAZE_STATS_CACHE_MAX_GB"
+
+
+def _cache_limit_bytes() -> float:
+    raw = os.environ.get(CACHE_LIMIT_ENV, "").strip()
+    try:
+        return float(raw) * 1e9 if raw else 2e9
+    except ValueError:
+        raise BlazeError(f"{CACHE_LIMIT_ENV} must be a number of gigabytes (got {raw!r})") from None
 
 
 # -------------------------------------------------------------------------------------------- solve

@@ -74,6 +74,12 @@ class Statistics:
     def targets(self) -> list[str]:
         return list(self.keys)
 
+    def nbytes(self) -> int:
+        """Bytes of all tensors (what :meth:`save` would write, before compression)."""
+        tensors = [*self.wanted_means.values(), *self.unwanted_means.values(), self.pair_direction]
+        tensors += [v for ks in self.keys.values() for v in vars(ks).values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def save(self, path: Path | str) -> None:
         """Write to one file (torch.save of plain tensors and dicts)."""
         payload = {
@@ -331,9 +337,10 @@ def collect(
     residual_layers = list(range(n_layers)) if residual_layers is None else sorted(set(residual_layers))
     device = torch.device(runtime.device)
     acc = torch.float32 if device.type == "cuda" else torch.float64
-    collector = _Collector(runtime, targets, len(pairs), residual_layers, acc, device)
+    # sequences first: an error there (e.g. requests on a non-Clef model) must not leave hooks behind
     behaviour = contrast_sequences(runtime, pairs, max_length, positions)
     kept = preserve_sequences(runtime, preserve, max_length) if preserve and targets else []
+    collector = _Collector(runtime, targets, len(pairs), residual_layers, acc, device)
     try:
         _run(runtime, collector, behaviour, "behaviour", batch_size, "statistics: contrast pairs", progress)
         _run(runtime, collector, kept, "preserve", batch_size, "statistics: preserve set", progress)

@@ -153,3 +153,18 @@ def test_requests_need_a_clef_release(mini):
         collect(mini, PAIRS, PreserveSet(requests=[{"state": "x"}]), ["model.layers.0.mlp.down_proj"])
     with pytest.raises(BlazeError, match="no contrast pairs"):
         collect(mini, [], None, [])
+
+
+def test_statistics_above_the_cache_limit_are_not_saved(mini, tmp_path, monkeypatch):
+    cache = tmp_path / "stats.pt"
+    lines = []
+    monkeypatch.setenv("BLAZE_STATS_CACHE_MAX_GB", "0")
+    stats = collect_statistics(mini, PAIRS, {"texts": ["hello"]}, "1-2", "writers", cache=cache, echo=lines.append)
+    assert stats.nbytes() > 0 and not cache.exists()
+    assert any("not saved" in l and "BLAZE_STATS_CACHE_MAX_GB" in l for l in lines)
+    monkeypatch.setenv("BLAZE_STATS_CACHE_MAX_GB", "lots")
+    with pytest.raises(BlazeError, match="gigabytes"):
+        collect_statistics(mini, PAIRS, {"texts": ["hello"]}, "1-2", "writers", cache=cache)
+    monkeypatch.delenv("BLAZE_STATS_CACHE_MAX_GB")
+    collect_statistics(mini, PAIRS, {"texts": ["hello"]}, "1-2", "writers", cache=cache)
+    assert cache.exists()                                   # small statistics: cached as before
