@@ -19,8 +19,10 @@ Each is followed by `sync` (reported separately: "returned" and "on disk"). The 
 each timed operation is set explicitly: `cold` evicts the base's pages (`posix_fadvise(DONTNEED)` after a
 `sync`), `warm` reads the base once first (on a machine whose RAM cannot hold base + output, part of it
 is evicted again while the output is written). The copy runs first in odd rounds and second in even
-rounds. The copy is deleted before the apply runs, the output after; `--cleanup` removes the base too.
-Results are printed as JSON lines and as a Markdown table, with the load average before each round.
+rounds. Each copy or output is deleted before the next step; `--cleanup` removes the base too.
+Results are printed as JSON lines and as a Markdown table, with the load average before each row and the
+CPU seconds (user + system) of the copy and of the apply process (the kernel's writeback threads count in
+neither).
 
     .venv/bin/python scripts/bench_apply.py --work /tmp/blaze-bench --rounds 2 --cleanup
     .venv/bin/python scripts/bench_apply.py --work /tmp/blaze-bench --num-layers 4 --layers 1-3   # smoke
@@ -33,6 +35,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -132,18 +135,23 @@ def set_page_cache(files: list[Path], state: str) -> None:
                     pass
 
 
-def plain_copy(src: Path, dst: Path) -> float:
-    """Copy every file of `src` (following symlinks) into `dst`; wall seconds."""
-    started = time.perf_counter()
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def plain_copy(src: Path, dst: Path) -> tuple[float, float]:
+    """Copy every file of `src` (following symlinks) into `dst`; (wall seconds, CPU seconds user + system)."""
+    started, cpu = time.perf_counter(), _cpu_seconds()
     dst.mkdir(parents=True)
     for path in base_files(src):
         target = dst / path.relative_to(src)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _cpu_seconds() - cpu
 
 
-# Runs one command and prints {"seconds", "maxrss_kib", "exit"}: the command is forked from this small
+# Runs one command and prints {"seconds", "cpu_seconds", "maxrss_kib", "exit"}: the command is forked from this small
 # launcher, not from the benchmark process. Linux keeps a process's peak RSS across exec, so a child forked
 # straight from a big parent reports the parent's size (a parent that had imported torch made every
 # earlier apply figure at least ≈ 700 MiB, whatever apply itself used).
@@ -154,13 +162,15 @@ pid = os.fork()
 if pid == 0:
     os.execv(sys.argv[1], sys.argv[1:])
 _, status, usage = os.wait4(pid, 0)
-print(json.dumps({"seconds": time.perf_counter() - started, "maxrss_kib": usage.ru_maxrss,
+print(json.dumps({"seconds": time.perf_counter() - started, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+                  "maxrss_kib": usage.ru_maxrss,
                   "exit": os.waitstatus_to_exitcode(status)}))
 """
 
 
-def run_apply(patch: Path, base: Path, out: Path, cache_dir: Path) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes, `os.wait4`) of `blaze apply` in a child process, empty hash cache."""
+def run_apply(patch: Path, base: Path, out: Path, cache_dir: Path) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds (user + system, all threads) and peak RSS (bytes, `os.wait4`) of
+    `blaze apply` in a child process, with an empty hash cache."""
     shutil.rmtree(cache_dir, ignore_errors=True)
     env = dict(os.environ, BLAZE_QUIET="1", PYTHONPATH=str(ROOT), BLAZE_CACHE=str(cache_dir))
     env.pop("BLAZE_HASH_CACHE", None)
@@ -171,7 +181,7 @@ def run_apply(patch: Path, base: Path, out: Path, cache_dir: Path) -> tuple[floa
     result = json.loads(launched.stdout.strip().splitlines()[-1])
     if result["exit"] != 0:
         raise SystemExit(f"blaze apply failed with exit code {result['exit']}")
-    return result["seconds"], result["maxrss_kib"] * 1024
+    return result["seconds"], result["cpu_seconds"], result["maxrss_kib"] * 1024
 
 
 def build_base(folder: Path, num_layers: int | None) -> None:
@@ -255,11 +265,12 @@ def main() -> None:
                     for step in order:
                         set_page_cache(files, cache)
                         if step == "copy":
-                            timings["copy_s"] = plain_copy(base, copy_dir)
+                            timings["copy_s"], timings["copy_cpu_s"] = plain_copy(base, copy_dir)
                             timings["copy_sync_s"] = timed_sync()
                             shutil.rmtree(copy_dir)
                         else:
-                            timings["apply_s"], rss = run_apply(patch_file, base, out_dir, cache_dir)
+                            timings["apply_s"], timings["apply_cpu_s"], rss = run_apply(patch_file, base, out_dir,
+                                                                                        cache_dir)
                             timings["apply_sync_s"] = timed_sync()
                             checks = check_output(base, out_dir, patch)
                             shutil.rmtree(out_dir)
@@ -271,6 +282,7 @@ def main() -> None:
                         "copy_s": round(copy_s, 1), "copy_plus_sync_s": round(copy_total, 1),
                         "apply_s": round(apply_s, 1), "apply_plus_sync_s": round(apply_total, 1),
                         "ratio": round(apply_s / copy_s, 2), "ratio_with_sync": round(apply_total / copy_total, 2),
+                        "copy_cpu_s": round(timings["copy_cpu_s"], 1), "apply_cpu_s": round(timings["apply_cpu_s"], 1),
                         "apply_peak_rss_mib": round(rss / 2**20), **checks,
                     }
                     rows.append(row)
@@ -289,12 +301,13 @@ def main() -> None:
             "load_after": load_average(), "rounds": rows}
     print(json.dumps(info, indent=2))
     print("| round | layout | page cache | first | load before | copy s (+sync) | apply s (+sync) | ratio (+sync) "
-          "| apply peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| CPU s copy / apply | apply peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['round']} | {r['layout']} | {r['cache']} | {r['first']} | {r['load_before']} "
               f"| {r['copy_s']} ({r['copy_plus_sync_s']}) | {r['apply_s']} ({r['apply_plus_sync_s']}) "
-              f"| {r['ratio']} ({r['ratio_with_sync']}) | {r['apply_peak_rss_mib']} MiB |")
+              f"| {r['ratio']} ({r['ratio_with_sync']}) | {r['copy_cpu_s']} / {r['apply_cpu_s']} "
+              f"| {r['apply_peak_rss_mib']} MiB |")
 
 
 if __name__ == "__main__":
