@@ -78,7 +78,13 @@ def numpy_dtype(name: str):
     import numpy as np
 
     if name in _ML_DTYPES:
-        import ml_dtypes
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise BlazeError(
+                f"reading {name} tensors without torch needs the package ml_dtypes (a blaze dependency); "
+                "install it with `pip install 'ml_dtypes>=0.5'`."
+            ) from None
 
         return np.dtype(getattr(ml_dtypes, _ML_DTYPES[name]))
     return np.dtype(_TORCH_NAMES[name]).newbyteorder("<")
