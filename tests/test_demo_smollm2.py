@@ -1,11 +1,11 @@
 """Real-model demonstration (issue 5 item 4) on the embedded SmolLM2-135M-Instruct, on CPU.
 
-Issue 5 asks for a ≥ 40% cut of the mean answer length on the spec's held-out prompts; blaze reaches
-about 33% here without loops (measured 32.7%: 49.3 → 33.2 tokens, strength 0.3; stronger edits or wider
-layer bands reach 34–38% but add loops or exceed the KL bound — see README "Demonstration"). The test
-asserts what is reached, so a regression fails it: ≥ 30% cut, the key fact kept (variant keyword hits
-≥ 95% of the base's), first-token KL on neutral prompts ≤ 0.1 and no new loops. The edit uses the spec's defaults except the strength (``DEMO_STRENGTH``, chosen on the
-validation split as `--strength auto` would) so the test runs one canary instead of a sweep.
+Verbosity: issue 5 asks for a ≥ 40% cut of the mean answer length on the spec's held-out prompts with the
+key fact kept (variant keyword hits ≥ 95% of the base's), first-token KL on neutral prompts ≤ 0.1 and no new
+loops. With directions read as ``shared_response`` (docs/METHOD.md) the strength `--strength auto` picks on
+the validation split (0.4) gives a 55% cut (49.3 → 22.4 tokens, README "Demonstration"). The test uses the
+spec's defaults except the strength (``DEMO_STRENGTH``, the value the validation sweep of `blaze edit` picks),
+so it runs one canary instead of a sweep. The sycophancy variant has no test yet: it has not been measured.
 
 Run as a script to print the table for any strengths:
     python tests/test_demo_smollm2.py verbosity 0.2 0.3
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-DEMO_STRENGTH = {"verbosity": 0.3}  # measured: 0.3 passes the gate (33% cut); 0.45 adds loops
+DEMO_STRENGTH = {"verbosity": 0.4}  # what `--strength auto` picks on the validation split (scripts/demo.sh)
 
 
 def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None, max_new_tokens: int | None = None,
@@ -44,9 +44,8 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     from variants.build import read_positions
 
     positions = os.environ.get("DEMO_POSITIONS") or read_positions(contrast_pairs(spec))
-    cache = _cache_file(opts, rt, spec, s)
-    if positions != "response":
-        cache = cache.with_name(f"{cache.stem}-{positions}.pt")
+    s["positions"] = positions
+    cache = _cache_file(opts, rt, spec, s)  # the same file `blaze edit` uses (scripts/demo.sh fills it)
     stats = collect_statistics(rt, contrast_pairs(spec), preserve_set(spec, rt), s["layers"], s["kinds"],
                                rank=s["rank"], cache=cache, echo=echo, positions=positions)
     echo(f"statistics ready in {time.perf_counter() - started:.0f} s; layers {stats.meta['layers']}")
@@ -85,7 +84,7 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
 @pytest.mark.slow
 def test_verbosity_variant_on_smollm2(smollm2_path):
     row = evaluate("verbosity", [DEMO_STRENGTH["verbosity"]])[0]
-    assert row["length_cut"] >= 0.30  # the issue's bar is 0.40, not reached (module docstring)
+    assert row["length_cut"] >= 0.40  # issue 5's bar
     assert row["quality_ratio"] is not None and row["quality_ratio"] >= 0.95
     assert row["first_token_kl"] <= 0.1
     assert row["new_loops"] == 0.0
