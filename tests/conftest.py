@@ -13,6 +13,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("BLAZE_QUIET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests must not fill the user's hash cache (~/.cache/blaze/sha256-cache.json) with entries for temporary
+# files; the tests of the cache itself switch it on in a private BLAZE_CACHE.
+os.environ["BLAZE_HASH_CACHE"] = "0"
 
 from pathlib import Path  # noqa: E402
 
