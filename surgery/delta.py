@@ -46,6 +46,15 @@ PATCH_FORMAT = "blaze-delta/1"
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+def check_factor_shapes(name: str, u_shape, v_shape) -> None:
+    """Refuse factors that are not U (d_out×k) and V (d_in×k) with the same k (numpy or torch shapes)."""
+    if len(u_shape) != 2 or len(v_shape) != 2 or u_shape[1] != v_shape[1]:
+        raise BlazeError(
+            f"patch factors for {name!r} have shapes U{list(u_shape)}, V{list(v_shape)}; "
+            "expected U (d_out×k) and V (d_in×k) with the same k."
+        )
+
+
 @dataclass
 class PatchArrays:
     """Per-matrix factors NAME -> (U: d_out×k, V: d_in×k) as float32 numpy arrays, with ΔW = U Vᵀ.
@@ -63,11 +72,7 @@ class PatchArrays:
         for name, (u, v) in self.factors.items():
             u = np.ascontiguousarray(u, dtype=np.float32)
             v = np.ascontiguousarray(v, dtype=np.float32)
-            if u.ndim != 2 or v.ndim != 2 or u.shape[1] != v.shape[1]:
-                raise BlazeError(
-                    f"patch factors for {name!r} have shapes U{list(u.shape)}, V{list(v.shape)}; "
-                    "expected U (d_out×k) and V (d_in×k) with the same k."
-                )
+            check_factor_shapes(name, u.shape, v.shape)
             clean[name] = (u, v)
         self.factors = clean
 

@@ -26,6 +26,7 @@ from surgery.delta import (  # noqa: F401  (re-exported: the historical home of 
     PATCH_FILE,
     PATCH_FORMAT,
     PatchArrays,
+    check_factor_shapes,
     base_identity,
     identity_mismatches,
     tensor_sha256,
@@ -48,11 +49,7 @@ class Patch:
     def __post_init__(self) -> None:
         clean: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, (u, v) in self.factors.items():
-            if u.dim() != 2 or v.dim() != 2 or u.shape[1] != v.shape[1]:
-                raise BlazeError(
-                    f"patch factors for {name!r} have shapes U{list(u.shape)}, V{list(v.shape)}; "
-                    "expected U (d_out×k) and V (d_in×k) with the same k."
-                )
+            check_factor_shapes(name, tuple(u.shape), tuple(v.shape))
             clean[name] = (u.detach().to("cpu", torch.float32).contiguous(), v.detach().to("cpu", torch.float32).contiguous())
         self.factors = clean
 
