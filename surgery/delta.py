@@ -42,6 +42,10 @@ from clef_model.checkpoint import (
 from clef_model.errors import BlazeError
 
 PATCH_FILE = "blaze_delta.safetensors"
+
+
+class BaseMismatchError(BlazeError):
+    """The base being patched is not the one the patch records (a tensor's stored bytes differ)."""
 PATCH_FORMAT = "blaze-delta/1"
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
@@ -285,23 +289,27 @@ def identity_mismatches(patch, release) -> list[str]:
     return check_identity(patch, release)[0]
 
 
-def check_identity(patch, release) -> tuple[list[str], dict[str, str]]:
+def check_identity(patch, release, *, tensors: bool = True) -> tuple[list[str], dict[str, str]]:
     """(`identity_mismatches`, the SHA-256 of the recorded tensors as found in `release`: NAME -> digest).
 
     The digests let a caller that goes on to stream the same tensors skip hashing them a second time.
+    With `tensors=False` only the index (and that every recorded tensor exists) is checked, which reads
+    nothing but the index; `blaze apply` then verifies the tensors' hashes while it streams them
+    (`surgery.write.write_variant(expect_tensor_sha256=...)`) instead of reading them twice.
     """
     recorded = patch.base_identity
     if not recorded:
         return [], {}
     reader = CheckpointReader(Path(release.path))
-    current = base_identity(release, [n for n in recorded.get("tensor_sha256", {}) if f"{n}.weight" in reader])
+    present = [n for n in recorded.get("tensor_sha256", {}) if f"{n}.weight" in reader]
+    current = base_identity(release, present if tensors else [])
     problems = []
     if recorded.get("index_sha256") and recorded["index_sha256"] != current["index_sha256"]:
         problems.append(f"its checkpoint index differs (hash {current['index_sha256'][:12]}…, "
                         f"patch made on {recorded['index_sha256'][:12]}…)")
     for name, digest in recorded.get("tensor_sha256", {}).items():
-        if name not in current["tensor_sha256"]:
+        if name not in present:
             problems.append(f"{name}.weight is missing")
-        elif current["tensor_sha256"][name] != digest:
+        elif tensors and current["tensor_sha256"][name] != digest:
             problems.append(f"{name}.weight has different values")
     return problems, current["tensor_sha256"]

@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,7 +43,7 @@ from clef_model.checkpoint import (
 )
 from clef_model.errors import BlazeError
 from clef_model.filehash import known_sha256, record_sha256
-from surgery.delta import PATCH_FILE, PatchArrays, RowBlockUpdate, as_arrays
+from surgery.delta import PATCH_FILE, BaseMismatchError, PatchArrays, RowBlockUpdate, as_arrays
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
 
 if TYPE_CHECKING:
@@ -207,35 +208,62 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 def _edited_blocks(reader: CheckpointReader, name: str, u: np.ndarray, v: np.ndarray,
-                   in_hash: _AsyncSha256 | None, stats: dict, bar, known_sha256: str | None = None
-                   ) -> Iterator[memoryview]:
+                   in_hash: _AsyncSha256 | None, stats: dict, bar, pool: ThreadPoolExecutor,
+                   known_sha256: str | None = None, expect_sha256: str | None = None) -> Iterator[memoryview]:
     """Raw bytes of W + U Vᵀ, row block by row block (`RowBlockUpdate`: fp32 math, cast to the stored dtype).
 
-    Also hashes the tensor's stored bytes for the manifest, unless `known_sha256` already gives that digest.
+    Block i+1 is computed on `pool`'s single worker thread while the caller writes block i (numpy drops the
+    GIL in its loops), so the edit's arithmetic overlaps the disk work; one worker keeps the blocks in order
+    and the running norms deterministic. The tensor's stored bytes are hashed on a background thread for the
+    manifest, unless `known_sha256` already gives that digest; when `expect_sha256` is given and the bytes
+    hash to something else, `BaseMismatchError` stops the write (the caller discards the partial output).
     """
     info = reader.info(name)
     rows, cols = info.shape
     update = RowBlockUpdate(u, v, info.dtype)
     row_bytes = cols * update.stored.itemsize
     rows_per_block = max(1, _BLOCK_BYTES // max(1, row_bytes))
-    start = 0
-    tensor_hash = hashlib.sha256() if known_sha256 is None else None
-    for raw in reader.iter_raw(name, chunk_bytes=rows_per_block * row_bytes):
-        if in_hash is not None:
-            in_hash.update(raw)
-        if tensor_hash is not None:
-            tensor_hash.update(raw)
-        count = len(raw) // row_bytes
-        new, block_weight, block_change = update.apply(np.frombuffer(raw, dtype=update.stored).reshape(count, cols),
-                                                       start)
+    tensor_hash = _AsyncSha256() if known_sha256 is None else None
+    pending: collections.deque = collections.deque()
+
+    def finished() -> memoryview:
+        future, size = pending.popleft()
+        new, block_weight, block_change = future.result()
         # a non-finite change where W was finite = overflow of the stored dtype
         if not math.isfinite(block_change) and math.isfinite(block_weight):
             raise BlazeError(f"editing {name} overflows {info.dtype} (non-finite values); use a smaller strength.")
-        start += count
-        bar.update(len(raw))
-        yield memoryview(new.reshape(-1).view(np.uint8))  # a fresh array: safe to hand to the hash thread
+        bar.update(size)
+        return memoryview(new.reshape(-1).view(np.uint8))  # a fresh array: safe to hand to the hash thread
+
+    start = 0
+    try:
+        for raw in reader.iter_raw(name, chunk_bytes=rows_per_block * row_bytes):
+            if in_hash is not None:
+                in_hash.update(raw)
+            if tensor_hash is not None:
+                tensor_hash.update(raw)
+            count = len(raw) // row_bytes
+            block = np.frombuffer(raw, dtype=update.stored).reshape(count, cols)
+            pending.append((pool.submit(update.apply, block, start), len(raw)))
+            start += count
+            if len(pending) > 1:  # one block computing while the previous one is written
+                yield finished()
+        while pending:
+            yield finished()
+        digest = tensor_hash.hexdigest() if tensor_hash is not None else known_sha256
+    finally:
+        for future, _ in pending:
+            future.cancel()
+        for future, _ in pending:
+            if not future.cancelled():
+                future.exception()  # wait: the worker must be done with this tensor's buffers
+        if tensor_hash is not None:
+            tensor_hash.stop()
+    if expect_sha256 is not None and digest != expect_sha256:
+        raise BaseMismatchError(f"{name}.weight has different values than in the base the patch was made from "
+                                f"(SHA-256 {digest[:12]}…, patch made on {expect_sha256[:12]}…); nothing was written.")
     stats["weight_norm"] = update.weight_sq**0.5
-    stats["base_sha256"] = tensor_hash.hexdigest() if tensor_hash is not None else known_sha256
+    stats["base_sha256"] = digest
     stats["realized_delta_norm"] = update.change_sq**0.5
 
 
@@ -290,8 +318,8 @@ def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
 
 
 def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, max_shard_bytes: int, bar,
-                    stats: dict[str, dict], hashed: dict[Path, str], known_tensor_sha256: Mapping[str, str]
-                    ) -> tuple[dict, dict[str, str], dict[str, str]]:
+                    stats: dict[str, dict], hashed: dict[Path, str], known_tensor_sha256: Mapping[str, str],
+                    expect_tensor_sha256: Mapping[str, str]) -> tuple[dict, dict[str, str], dict[str, str]]:
     """Write all shards + index; returns (index, input file hashes, output file hashes).
 
     An input whose SHA-256 is already known (`clef_model.filehash.known_sha256`) is not hashed again; the
@@ -304,6 +332,7 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
     writer = _HashingWriter(folder, max_shard_bytes=max_shard_bytes, layout=layout)
     windows = _MappedWindows(_WINDOWS_IN_FLIGHT)
     sources: dict[Path, object] = {}  # one open handle per input shard: the kernel's readahead stays sequential
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blaze-edit")  # edited blocks' arithmetic
     try:
         with writer:
             for name in reader.names():
@@ -325,8 +354,9 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
                 if name in edited:
                     u, v = patch.factors[edited[name]]
                     stats[edited[name]] = {}
-                    chunks: Iterable = _edited_blocks(reader, name, u, v, hasher, stats[edited[name]], bar,
-                                                      known_tensor_sha256.get(edited[name]))
+                    chunks: Iterable = _edited_blocks(reader, name, u, v, hasher, stats[edited[name]], bar, pool,
+                                                      known_tensor_sha256.get(edited[name]),
+                                                      expect_tensor_sha256.get(edited[name]))
                     writer.add_raw(name, reader.dtype(name), reader.shape(name), chunks)
                 else:
                     if shard not in sources:
@@ -336,6 +366,7 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
             windows.drain()
             index = writer.close()
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         windows.drain()  # the hash threads must be done with every window before it is unmapped
         for handle in sources.values():
             handle.close()
@@ -366,6 +397,7 @@ def write_variant(
     progress: bool = True,
     extra_files: "dict[str, bytes] | Callable[[Path], dict[str, bytes]] | None" = None,
     known_tensor_sha256: Mapping[str, str] | None = None,
+    expect_tensor_sha256: Mapping[str, str] | None = None,
 ) -> Path:
     """Write base + patch as a drop-in release folder at `out` and return its path.
 
@@ -377,7 +409,10 @@ def write_variant(
     the files written, and of the inputs hashed on the way, are recorded in blaze's hash cache
     (`clef_model.filehash`) once the folder is in place. `known_tensor_sha256` (NAME -> SHA-256 of the
     base's stored NAME.weight), when the caller has just computed it (`surgery.delta.check_identity`),
-    spares hashing the edited tensors a second time.
+    spares hashing the edited tensors a second time. `expect_tensor_sha256` (NAME -> the digest recorded in
+    the patch's base identity) is checked as each edited tensor streams by: the first tensor whose stored
+    bytes differ raises `surgery.delta.BaseMismatchError` and nothing is written. This is how `blaze apply`
+    verifies the base without reading the edited tensors twice.
     """
     started_ns = time.time_ns()
     patch = as_arrays(patch)
@@ -406,7 +441,8 @@ def write_variant(
         stats: dict[str, dict] = {}
         hashed: dict[Path, str] = {}  # inputs hashed here (for the hash cache)
         index, in_hashes, out_hashes = _stream_weights(reader, patch, tmp, int(max_shard_bytes), bar, stats, hashed,
-                                                       dict(known_tensor_sha256 or {}))
+                                                       dict(known_tensor_sha256 or {}),
+                                                       dict(expect_tensor_sha256 or {}))
         for name in side:
             copy_file(base_path / name, tmp / name)
             digest = known_sha256(base_path / name)

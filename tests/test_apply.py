@@ -249,6 +249,7 @@ def test_cli_apply_checks_base_identity(base, variant, tmp_path):
     result = runner.invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(other), "--out", str(tmp_path / "x"),
                                   "--force"])
     assert result.exit_code == 0, result.output
+    assert "different base" in result.output and f"{patch.names()[0]}.weight" in result.output
 
     anonymous = tmp_path / "anon.safetensors"
     Patch(patch.factors, None, {}).save(anonymous)
@@ -410,7 +411,8 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
     first_spy = _HashSpy(monkeypatch)
     first = write_variant(local, patch, tmp_path / "one", progress=False)
     written = len(CheckpointReader(first).shard_files())
-    assert first_spy.streams == len(shards) + written  # every input shard and every output shard
+    edited = len(patch.names())  # each edited tensor's stored bytes are hashed on a stream for the manifest
+    assert first_spy.streams == len(shards) + written + edited  # every input shard and every output shard
     for name in local.side_files():
         assert filehash.known_sha256(local.path / name) == sha256_file(local.path / name)
     cached = json.loads(filehash.cache_path().read_text())["files"]
@@ -418,7 +420,7 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
 
     second_spy = _HashSpy(monkeypatch)
     second = write_variant(local, patch, tmp_path / "two", progress=False)
-    assert second_spy.streams == written  # output shards only
+    assert second_spy.streams == written + edited  # output shards only (and the edited tensors)
     assert first_spy.files and not [p for p in second_spy.files if p.is_relative_to(local.path)]
     assert read_manifest(second)["base"]["files"] == read_manifest(first)["base"]["files"] == _hashes(local.path)
     assert _hashes(second) == _hashes(first)
@@ -426,7 +428,7 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
     monkeypatch.setenv("BLAZE_HASH_CACHE", "0")  # switched off: everything is hashed again
     off_spy = _HashSpy(monkeypatch)
     write_variant(local, patch, tmp_path / "three", progress=False)
-    assert off_spy.streams == len(shards) + written
+    assert off_spy.streams == len(shards) + written + edited
 
 
 def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkeypatch):
@@ -453,7 +455,8 @@ def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkey
     release = resolve_release(snapshot)
     spy = _HashSpy(monkeypatch)
     out = write_variant(release, patch, tmp_path / "out", progress=False)
-    assert spy.streams == len(CheckpointReader(out).shard_files())  # output shards only: inputs are named by hash
+    # output shards (and the edited tensors) only: inputs are named by their hash
+    assert spy.streams == len(CheckpointReader(out).shard_files()) + len(patch.names())
     # of the inputs, only the small (git SHA-1 named) index is hashed; side files are hashed from their copies
     assert [p for p in spy.files if p.resolve().is_relative_to(repo)] == [snapshot / INDEX_NAME]
     assert lfs and not [p for p in spy.files if p.name in lfs]

@@ -64,7 +64,9 @@ def register(group: click.Group) -> None:
         Streams the base checkpoint to OUT: untouched tensors are copied bit-identically, edited ones get
         W + U Vᵀ (fp32 math, cast back to the stored dtype); every other file is copied byte-for-byte and a
         manifest with SHA-256 hashes is written. The base is checked against the identity recorded in the
-        patch (index hash and the edited tensors' hashes); a mismatch is refused unless --force.
+        patch (index hash and the edited tensors' hashes); a mismatch is refused unless --force. The
+        edited tensors are verified as they stream by, so a mismatch there stops the write with nothing
+        left behind.
 
         
         Input files whose SHA-256 is already known are not read again for the manifest: files of a
@@ -77,7 +79,7 @@ def register(group: click.Group) -> None:
 
         from clef_model.checkpoint import sha256_file
         from clef_model.release import DEFAULT_BASE, resolve_release
-        from surgery.delta import PatchArrays, check_identity, patch_path
+        from surgery.delta import BaseMismatchError, PatchArrays, check_identity, patch_path
         from surgery.manifest import read_manifest
         from surgery.write import write_variant
 
@@ -87,12 +89,13 @@ def register(group: click.Group) -> None:
         recorded = loaded.base_identity or {}
         ref = base or recorded.get("ref") or DEFAULT_BASE
         release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
-        tensor_hashes: dict[str, str] = {}
+        expected: dict[str, str] = {}
         if not recorded:
             click.echo("warning: the patch records no base identity; it cannot be checked against "
                        f"{release.ref}. Applying anyway.", err=True)
         else:
-            problems, tensor_hashes = check_identity(loaded, release)
+            # the index now; the edited tensors' hashes as they stream by (read once, not twice)
+            problems, _ = check_identity(loaded, release, tensors=False)
             if problems and not force:
                 raise BlazeError(
                     f"{release.ref} is not the base this patch was made from ({'; '.join(problems[:3])}). "
@@ -101,10 +104,23 @@ def register(group: click.Group) -> None:
             if problems:
                 click.echo(f"warning: applying to a different base than recorded ({'; '.join(problems[:3])}).",
                            err=True)
+            if not force:
+                expected = dict(recorded.get("tensor_sha256", {}))
         extra = {"command": "apply", "patch_sha256": sha256_file(patch_file), **{
             k: v for k, v in loaded.metadata.items() if k in ("behavior", "behavior_spec_sha256", "method")}}
-        write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra,
-                      known_tensor_sha256=tensor_hashes)
+        try:
+            write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra,
+                          expect_tensor_sha256=expected)
+        except BaseMismatchError as error:
+            raise BlazeError(f"{release.ref} is not the base this patch was made from ({error}). "
+                             "Pass the right --base, or --force to apply anyway.") from error
+        if force and recorded:
+            found = read_manifest(out)["base"]["tensor_sha256"]
+            differ = [n for n, digest in recorded.get("tensor_sha256", {}).items()
+                      if n in found and found[n] != digest]
+            if differ:
+                click.echo(f"warning: applied to a different base than recorded ({len(differ)} edited tensors have "
+                           f"different values, e.g. {differ[0]}.weight).", err=True)
         if export_lora is not None:
             from surgery.lora import export_lora as write_lora  # imports torch (PEFT); only for this option
             from surgery.patch import Patch
