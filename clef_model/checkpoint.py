@@ -349,7 +349,7 @@ def tensor_to_bytes(tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def _copy_range(src, offset: int, nbytes: int, dst) -> None:
+def copy_range(src, offset: int, nbytes: int, dst) -> None:
     """Copy `nbytes` from `src` at `offset` to the current position of open file `dst`, in the kernel if possible.
 
     `src` is a path, or a file opened for binary reading (kept open by the caller across many ranges, so
@@ -357,7 +357,7 @@ def _copy_range(src, offset: int, nbytes: int, dst) -> None:
     """
     if isinstance(src, (str, os.PathLike)):
         with open(src, "rb") as handle:
-            _copy_range(handle, offset, nbytes, dst)
+            copy_range(handle, offset, nbytes, dst)
         return
     handle, name = src, getattr(src, "name", "the source")
     dst.flush()
@@ -533,7 +533,7 @@ class ShardedWriter:
     def write_range(self, src, offset: int, nbytes: int) -> None:
         """Append `nbytes` of `src` (a path, or a file open for binary reading) from `offset` to the current
         tensor (kernel-side copy)."""
-        _copy_range(src, offset, nbytes, self._file())
+        copy_range(src, offset, nbytes, self._file())
 
     def _file(self):
         """The open shard file that raw copies go to (subclasses that wrap the handle return the real file)."""
@@ -543,7 +543,7 @@ class ShardedWriter:
         """Copy one tensor bit-identically from a checkpoint (kernel-side copy; no user-space buffer)."""
         info = reader.info(name)
         self._start_tensor(new_name or name, info.dtype, info.shape)
-        _copy_range(info.file, info.offset, info.nbytes, self._file())
+        copy_range(info.file, info.offset, info.nbytes, self._file())
 
     # -- finishing --------------------------------------------------------------------------------------
     def close(self) -> dict:
@@ -562,7 +562,7 @@ class ShardedWriter:
                 final = self.folder / names[number]
                 with open(final, "wb") as out:
                     out.write(_header_bytes(self._shards[number], self.metadata))
-                    _copy_range(spool, 0, spool.stat().st_size, out)
+                    copy_range(spool, 0, spool.stat().st_size, out)
                 spool.unlink()
         total = sum(e[3] for shard in self._shards for e in shard)
         index = {

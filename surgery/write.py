@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import math
 import mmap
 import os
@@ -38,8 +39,10 @@ from clef_model.checkpoint import (
     ShardedWriter,
     atomic_output,
     copy_file,
+    copy_range,
     read_header,
     sha256_file,
+    shard_name,
 )
 from clef_model.errors import BlazeError
 from clef_model.filehash import known_sha256, record_sha256
@@ -267,21 +270,17 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: np.ndarray, v: np.nda
     stats["realized_delta_norm"] = update.change_sq**0.5
 
 
-def _copy_untouched(reader: CheckpointReader, name: str, source, writer: "_HashingWriter",
-                    in_hash: _AsyncSha256 | None, windows: _MappedWindows, bar) -> None:
-    """Copy one tensor bit-identically from `source` (its shard, open for reading).
+def _copy_hashed(source, position: int, end: int, out, hashers: list[_AsyncSha256], windows: _MappedWindows,
+                 bar) -> None:
+    """Copy bytes [position, end) of `source` (a shard open for reading) to the end of `out`, hashing them.
 
     The kernel copies the bytes (`copy_file_range`) while the hash threads read the same bytes from a
     memory map of the source window — no user-space copy. Windows stay mapped until hashed (`windows`),
     so the copy runs ahead of the hashing by a few windows; the window after the current one is
     requested from the disk (`POSIX_FADV_WILLNEED`) before the current one is copied.
     """
-    info = reader.info(name)
-    writer.start_tensor(name, info.dtype, info.shape)
-    out_hash = writer.shard_hashers[-1]
     page = mmap.ALLOCATIONGRANULARITY
     fd = source.fileno()
-    position, end = info.offset, info.offset + info.nbytes
     while position < end:
         length = min(_WINDOW_BYTES, end - position)
         if position + length < end:
@@ -289,16 +288,23 @@ def _copy_untouched(reader: CheckpointReader, name: str, source, writer: "_Hashi
                              os.POSIX_FADV_WILLNEED)
         # the kernel copy reads the window from the disk first, at full sequential speed; the hash
         # threads then read it from the page cache (hashing first would fault it in page by page)
-        writer.write_range(source, position, length)
+        copy_range(source, position, length, out)
         start = position - position % page
         mapped = mmap.mmap(fd, position - start + length, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=start)
         view = memoryview(mapped)[position - start:]
-        tickets = [(out_hash, out_hash.update(view))]
-        if in_hash is not None:
-            tickets.append((in_hash, in_hash.update(view)))
-        windows.add(mapped, view, tickets)  # unmapped only after both hashers are done with it
+        tickets = [(hasher, hasher.update(view)) for hasher in hashers]
+        windows.add(mapped, view, tickets)  # unmapped only after every hasher is done with it
         position += length
         bar.update(length)
+
+
+def _copy_untouched(reader: CheckpointReader, name: str, source, writer: "_HashingWriter",
+                    in_hash: _AsyncSha256 | None, windows: _MappedWindows, bar) -> None:
+    """Copy one tensor bit-identically from `source` (its shard, open for reading) into the writer's shard."""
+    info = reader.info(name)
+    writer.start_tensor(name, info.dtype, info.shape)
+    hashers = [writer.shard_hashers[-1]] + ([in_hash] if in_hash is not None else [])
+    _copy_hashed(source, info.offset, info.offset + info.nbytes, writer._file(), hashers, windows, bar)
 
 
 def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
@@ -315,6 +321,100 @@ def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
             return False
         position += info.nbytes
     return position == shard.stat().st_size
+
+
+def _kept_layout(reader: CheckpointReader, max_shard_bytes: int) -> list[Path] | None:
+    """The base's shards, when the variant can keep their layout; None when it must be re-sharded.
+
+    Kept when the base has an index, standard shard names, no shard over the budget and no gaps between
+    tensors. Each output shard is then the input shard with the edited tensors' bytes replaced: the same
+    name, header and offsets. A shard without edits is byte-identical to the base's, so its SHA-256 is
+    the input's (known for Hub downloads and cached files: not read again), and the Hub stores it once.
+    """
+    if reader.index_path is None:
+        return None
+    shards = reader.shard_files()
+    if [p.name for p in shards] != [shard_name(i + 1, len(shards)) for i in range(len(shards))]:
+        return None
+    sizes: dict[Path, int] = collections.Counter()
+    for name in reader.names():
+        sizes[reader.info(name).file] += reader.info(name).nbytes
+    if any(size > max_shard_bytes for size in sizes.values()):
+        return None
+    if not all(_fully_covered(reader, shard) for shard in shards):
+        return None
+    return shards
+
+
+def _stream_kept_layout(reader: CheckpointReader, shards: list[Path], patch: PatchArrays, folder: Path, bar,
+                        stats: dict[str, dict], hashed: dict[Path, str], known_tensor_sha256: Mapping[str, str],
+                        expect_tensor_sha256: Mapping[str, str]) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """`_stream_weights` for a kept layout (`_kept_layout`): shard by shard, header copied as it is."""
+    edited = {f"{n}.weight": n for n in patch.names()}
+    in_hashes: dict[str, str] = {}
+    out_hashes: dict[str, str] = {}
+    by_shard: dict[Path, list] = collections.defaultdict(list)
+    for name in reader.names():
+        by_shard[reader.info(name).file].append(reader.info(name))
+    windows = _MappedWindows(_WINDOWS_IN_FLIGHT)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blaze-edit")  # edited blocks' arithmetic
+    hashers: list[_AsyncSha256] = []
+    try:
+        for shard in shards:
+            infos = sorted(by_shard[shard], key=lambda info: info.offset)
+            known = known_sha256(shard)
+            touched = any(info.name in edited for info in infos)
+            with open(shard, "rb") as source, open(folder / shard.name, "wb") as out:
+                os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                if not touched and known is not None:  # the same bytes as a file whose hash is known
+                    copy_range(source, 0, shard.stat().st_size, out)
+                    in_hashes[shard.name] = out_hashes[shard.name] = known
+                    bar.update(sum(info.nbytes for info in infos))
+                    continue
+                out_hash = _AsyncSha256()
+                # an untouched shard's output hash is its input hash: one hasher serves both
+                in_hash = _AsyncSha256() if (known is None and touched) else None
+                hashers += [h for h in (out_hash, in_hash) if h is not None]
+                both = [out_hash] + ([in_hash] if in_hash is not None else [])
+                header = source.read(infos[0].offset)
+                out.write(header)
+                for hasher in both:
+                    hasher.update(header)
+                for info in infos:
+                    if info.name not in edited:
+                        _copy_hashed(source, info.offset, info.offset + info.nbytes, out, both, windows, bar)
+                        continue
+                    base = edited[info.name]
+                    u, v = patch.factors[base]
+                    stats[base] = {}
+                    for block in _edited_blocks(reader, info.name, u, v, in_hash, stats[base], bar, pool,
+                                                known_tensor_sha256.get(base), expect_tensor_sha256.get(base)):
+                        out_hash.update(block)
+                        out.write(block)
+                windows.drain()
+            out_hashes[shard.name] = out_hash.hexdigest()
+            if not touched:
+                in_hashes[shard.name] = hashed[shard] = out_hashes[shard.name]
+            elif in_hash is not None:
+                in_hashes[shard.name] = hashed[shard] = in_hash.hexdigest()
+            else:
+                in_hashes[shard.name] = known
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        windows.drain()  # the hash threads must be done with every window before it is unmapped
+        for hasher in hashers:
+            hasher.stop()
+    total = sum(reader.info(name).nbytes for name in reader.names())
+    index = {"metadata": {"total_size": total},
+             "weight_map": {name: reader.info(name).file.name for name in sorted(reader.names())}}
+    index_path = folder / INDEX_NAME
+    index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    known = known_sha256(reader.index_path)
+    if known is None:
+        known = hashed[reader.index_path] = sha256_file(reader.index_path)
+    in_hashes[INDEX_NAME] = known
+    out_hashes[INDEX_NAME] = sha256_file(index_path)
+    return index, in_hashes, out_hashes
 
 
 def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, max_shard_bytes: int, bar,
@@ -440,9 +540,15 @@ def write_variant(
             _progress(reader.total_bytes() + side_bytes, progress, f"writing {out.name}") as bar:
         stats: dict[str, dict] = {}
         hashed: dict[Path, str] = {}  # inputs hashed here (for the hash cache)
-        index, in_hashes, out_hashes = _stream_weights(reader, patch, tmp, int(max_shard_bytes), bar, stats, hashed,
-                                                       dict(known_tensor_sha256 or {}),
-                                                       dict(expect_tensor_sha256 or {}))
+        shards = _kept_layout(reader, int(max_shard_bytes))
+        if shards is not None:
+            index, in_hashes, out_hashes = _stream_kept_layout(reader, shards, patch, tmp, bar, stats, hashed,
+                                                               dict(known_tensor_sha256 or {}),
+                                                               dict(expect_tensor_sha256 or {}))
+        else:
+            index, in_hashes, out_hashes = _stream_weights(reader, patch, tmp, int(max_shard_bytes), bar, stats,
+                                                           hashed, dict(known_tensor_sha256 or {}),
+                                                           dict(expect_tensor_sha256 or {}))
         for name in side:
             copy_file(base_path / name, tmp / name)
             digest = known_sha256(base_path / name)

@@ -198,9 +198,10 @@ def test_corrupt_shard_is_a_clear_error(base, tmp_path):
 
 def test_full_disk_mid_write_leaves_nothing(base, tmp_path, monkeypatch):
     from clef_model import checkpoint
+    from surgery import write
 
     calls = {"n": 0}
-    real_copy = checkpoint._copy_range
+    real_copy = checkpoint.copy_range
 
     def failing_copy(*args):  # the writer's raw copy hits a full disk part-way through the checkpoint
         calls["n"] += 1
@@ -208,7 +209,8 @@ def test_full_disk_mid_write_leaves_nothing(base, tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_copy(*args)
 
-    monkeypatch.setattr(checkpoint, "_copy_range", failing_copy)
+    monkeypatch.setattr(checkpoint, "copy_range", failing_copy)
+    monkeypatch.setattr(write, "copy_range", failing_copy)
     before = _hashes(base.path)
     with pytest.raises(BlazeError, match="no space left"):
         write_variant(base, _patch(base), tmp_path / "out", progress=False)
@@ -412,7 +414,11 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
     first = write_variant(local, patch, tmp_path / "one", progress=False)
     written = len(CheckpointReader(first).shard_files())
     edited = len(patch.names())  # each edited tensor's stored bytes are hashed on a stream for the manifest
-    assert first_spy.streams == len(shards) + written + edited  # every input shard and every output shard
+    reader = CheckpointReader(local.path)
+    touched = {reader.info(f"{n}.weight").file.name for n in patch.names()}
+    assert written == len(shards) and 0 < len(touched) < len(shards)  # the layout is kept
+    # every output shard, plus the inputs of shards with edits (an untouched shard's bytes are its input's)
+    assert first_spy.streams == written + len(touched) + edited
     for name in local.side_files():
         assert filehash.known_sha256(local.path / name) == sha256_file(local.path / name)
     cached = json.loads(filehash.cache_path().read_text())["files"]
@@ -420,7 +426,8 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
 
     second_spy = _HashSpy(monkeypatch)
     second = write_variant(local, patch, tmp_path / "two", progress=False)
-    assert second_spy.streams == written + edited  # output shards only (and the edited tensors)
+    # shards with edits only (and the edited tensors): the others are copies of inputs whose hash is known
+    assert second_spy.streams == len(touched) + edited
     assert first_spy.files and not [p for p in second_spy.files if p.is_relative_to(local.path)]
     assert read_manifest(second)["base"]["files"] == read_manifest(first)["base"]["files"] == _hashes(local.path)
     assert _hashes(second) == _hashes(first)
@@ -428,7 +435,7 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
     monkeypatch.setenv("BLAZE_HASH_CACHE", "0")  # switched off: everything is hashed again
     off_spy = _HashSpy(monkeypatch)
     write_variant(local, patch, tmp_path / "three", progress=False)
-    assert off_spy.streams == len(shards) + written + edited
+    assert off_spy.streams == written + len(touched) + edited
 
 
 def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkeypatch):
@@ -455,10 +462,45 @@ def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkey
     release = resolve_release(snapshot)
     spy = _HashSpy(monkeypatch)
     out = write_variant(release, patch, tmp_path / "out", progress=False)
-    # output shards (and the edited tensors) only: inputs are named by their hash
-    assert spy.streams == len(CheckpointReader(out).shard_files()) + len(patch.names())
+    # output shards with edits (and the edited tensors) only: inputs are named by their hash, and a shard
+    # without edits is a copy of its input
+    reader = CheckpointReader(base.path)
+    touched = {reader.info(f"{n}.weight").file.name for n in patch.names()}
+    assert 0 < len(touched) < len(CheckpointReader(out).shard_files())
+    assert spy.streams == len(touched) + len(patch.names())
     # of the inputs, only the small (git SHA-1 named) index is hashed; side files are hashed from their copies
     assert [p for p in spy.files if p.resolve().is_relative_to(repo)] == [snapshot / INDEX_NAME]
     assert lfs and not [p for p in spy.files if p.name in lfs]
     assert read_manifest(out)["base"]["files"] == _hashes(base.path)
     assert verify_manifest(out) == []
+
+
+def test_kept_layout_changes_only_the_edited_bytes(base, variant, tmp_path):
+    """The variant keeps the base's shards: same names and headers, other bytes equal outside edited tensors."""
+    from safetensors.torch import load_file, save_file
+
+    _out, patch = variant
+    local = tmp_path / "base"
+    shutil.copytree(base.path, local)
+    reader = CheckpointReader(local)
+    for shard in reader.shard_files():  # headers blaze would not write itself: other metadata, library order
+        save_file(load_file(shard), shard, metadata={"format": "pt", "written_by": "another tool"})
+    out = write_variant(resolve_release(local), patch, tmp_path / "out", progress=False)
+    edited = {f"{n}.weight" for n in patch.names()}
+    reader = CheckpointReader(local)
+    for shard in reader.shard_files():
+        before, after = shard.read_bytes(), (out / shard.name).read_bytes()
+        assert len(before) == len(after)
+        header = reader.info(min(reader.names(), key=lambda n: (reader.info(n).file != shard, reader.info(n).offset)))
+        assert after[: header.offset] == before[: header.offset]  # header byte for byte, metadata included
+        changed = [reader.info(n) for n in reader.names() if reader.info(n).file == shard and n in edited]
+        if not changed:
+            assert after == before
+        position = 0
+        for info in sorted(changed, key=lambda i: i.offset):  # outside the edited tensors nothing moved
+            assert after[position : info.offset] == before[position : info.offset]
+            assert after[info.offset : info.offset + info.nbytes] != before[info.offset : info.offset + info.nbytes]
+            position = info.offset + info.nbytes
+        assert after[position:] == before[position:]
+    assert verify_manifest(out) == []
+    assert json.loads((out / INDEX_NAME).read_text())["weight_map"] == reader.weight_map()
