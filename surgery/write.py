@@ -329,7 +329,7 @@ def _kept_layout(reader: CheckpointReader, max_shard_bytes: int) -> list[Path] |
     Kept when the base has an index, standard shard names, no shard over the budget and no gaps between
     tensors. Each output shard is then the input shard with the edited tensors' bytes replaced: the same
     name, header and offsets. A shard without edits is byte-identical to the base's, so its SHA-256 is
-    the input's (known for Hub downloads and cached files: not read again), and the Hub stores it once.
+    the input's (known for Hub downloads and cached files: not read again).
     """
     if reader.index_path is None:
         return None
