@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from surgery.patch import Patch
 
 _BLOCK_BYTES = 4 * 1024 * 1024  # bytes of stored data per read/compute block of an edited tensor
+_BLOCKS_AHEAD = 1  # edited blocks queued to the worker ahead of the one being written
 _WINDOW_BYTES = 32 * 1024 * 1024  # bytes per mapped window when copying an untouched tensor
 _WINDOWS_IN_FLIGHT = 4  # mapped windows the hash threads may lag behind the copy
 _BLAZE_FILES = {PATCH_FILE, MANIFEST_FILE}
@@ -249,7 +250,7 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: np.ndarray, v: np.nda
             block = np.frombuffer(raw, dtype=update.stored).reshape(count, cols)
             pending.append((pool.submit(update.apply, block, start), len(raw)))
             start += count
-            if len(pending) > 1:  # one block computing while the previous one is written
+            if len(pending) > _BLOCKS_AHEAD:  # blocks computing while an earlier one is written
                 yield finished()
         while pending:
             yield finished()
