@@ -369,17 +369,63 @@ def section_systemone(args, loaded: Loaded) -> None:
         out["fast_split"] = {"backbone_graph": summary_ms(replay), "backbone_engine_eager": summary_ms(eager),
                              "head_release": summary_ms(head), "head_vectorised": summary_ms(vhead),
                              "bucket": fast.backbone.bucket_for(tokens), "vector_head": fast.vector_head}
-        out["engine_variants"] = engine_variants(loaded, batch["input_ids"], tokens, min(20, args.s1_repeats))
+        if not args.s1_no_variants:
+            out["engine_variants"] = engine_variants(loaded, batch["input_ids"], tokens, min(20, args.s1_repeats))
         diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
         out["agreement_max_abs_diff"] = max(diffs)
         out["agreement_requests"] = len(diffs)
         say(f"systemone fast: {out['fast']} split {out['fast_split']} max|dp| {out['agreement_max_abs_diff']}")
+        if args.s1_compile:
+            RESULTS["systemone"] = out  # keep what was measured if the experiment below is cut short
+            write_outputs(args.out)
+            out["compiled"] = compiled_systemone(args, loaded, request, tokens, batch, ref)
     except Exception as error:  # noqa: BLE001 - record and go on with the other figures
         out["fast_error"] = f"{type(error).__name__}: {error}"
         say(f"systemone fast FAILED: {traceback.format_exc()}")
     RESULTS["systemone"] = out
     del fast
     free_gpu()
+
+
+def compiled_systemone(args, loaded: Loaded, request: dict, tokens: int, batch: dict, ref) -> dict[str, Any]:
+    """Experiment: the SystemOne path with the engine's forward compiled by torch.compile (inductor), inside
+    the same per-bucket CUDA graph. Inductor fuses the elementwise chains between the matmuls; its
+    reductions and casts are not transformers' order of operations, so the answers are compared too."""
+    import torch._inductor.config as inductor_config
+
+    from clef_model.fast import FastSystemOne
+
+    result: dict[str, Any] = {}
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        inductor_config.emulate_precision_casts = True  # round intermediates to bf16 where eager does
+        result["emulate_precision_casts"] = True
+    fast = FastSystemOne(loaded.backbone, loaded.head, loaded.tokenizer, loaded.code, ref)
+    fast.engine._run = torch.compile(fast.engine._run, dynamic=False)
+    try:
+        _, compile_s = timed(lambda: fast.backbone.warm([tokens]))
+        result["compile_and_capture_s"] = round(compile_s, 1)
+        say(f"compiled engine: compile + capture {compile_s:.1f}s")
+        for _ in range(args.s1_warmup):
+            fast(request)
+        result["request"] = summary_ms([timed(lambda: fast(request))[1] for _ in range(args.s1_repeats)])
+        with torch.inference_mode():
+            replay = [timed(lambda: fast.backbone(batch["input_ids"]))[1] for _ in range(20)]
+            text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
+                else loaded.backbone.model
+            reference = text(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
+            error = float((fast.backbone(batch["input_ids"]).float() - reference).norm() / reference.norm())
+        result["backbone_graph"] = summary_ms(replay)
+        result["rel_error_vs_transformers"] = round(error, 5)
+        diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
+        result["agreement_max_abs_diff"] = max(diffs)
+        result["agreement_requests"] = len(diffs)
+    except Exception as error:  # noqa: BLE001 - an experiment: record and go on
+        result["error"] = f"{type(error).__name__}: {error}"
+        say(f"compiled engine FAILED: {traceback.format_exc()}")
+    say(f"systemone compiled: {result}")
+    del fast
+    free_gpu()
+    return result
 
 
 ENGINE_VARIANTS = {
@@ -946,6 +992,10 @@ def main() -> None:
     parser.add_argument("--relaxed-gate", action="store_true",
                         help="edit with a copy of the verbosity spec whose gate passes anything (random weights)")
     parser.add_argument("--profile-tokens", type=int, default=1088)
+    parser.add_argument("--s1-compile", action="store_true",
+                        help="systemone: also try the engine compiled by torch.compile inside the CUDA graph")
+    parser.add_argument("--s1-no-variants", action="store_true",
+                        help="systemone: skip the per-engine-option replay table")
     args = parser.parse_args()
     args.edit_args, args.canary_args = shlex.split(args.edit_args), shlex.split(args.canary_args)
     global DEVICE
