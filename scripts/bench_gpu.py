@@ -375,6 +375,8 @@ def section_systemone(args, loaded: Loaded) -> None:
         out["agreement_max_abs_diff"] = max(diffs)
         out["agreement_requests"] = len(diffs)
         say(f"systemone fast: {out['fast']} split {out['fast_split']} max|dp| {out['agreement_max_abs_diff']}")
+        if args.s1_control:
+            out["control_sdpa_math"] = control_sdpa_math(args, loaded, request, batch, ref)
         if args.s1_compile:
             RESULTS["systemone"] = out  # keep what was measured if the experiment below is cut short
             write_outputs(args.out)
@@ -385,6 +387,38 @@ def section_systemone(args, loaded: Loaded) -> None:
     RESULTS["systemone"] = out
     del fast
     free_gpu()
+
+
+def control_sdpa_math(args, loaded: Loaded, request: dict, batch: dict, ref) -> dict[str, Any]:
+    """Control: the stock reference path itself, with full attention forced to SDPA's math kernel.
+
+    Both are legitimate transformers forwards that differ only in rounding. How far their answers and hidden
+    states move apart shows how much this model amplifies rounding differences: the floor for any
+    comparison of a faster path against the reference on it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def math_ref(r):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return ref(r)
+
+    result: dict[str, Any] = {}
+    try:
+        text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
+            else loaded.backbone.model
+        with torch.inference_mode():
+            reference = text(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
+            with sdpa_kernel([SDPBackend.MATH]):
+                other = text(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
+        result["rel_error_vs_default_sdpa"] = round(float((other - reference).norm() / reference.norm()), 5)
+        diffs = [_max_abs_diff(ref(r), math_ref(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
+        result["agreement_max_abs_diff"] = max(diffs)
+        result["requests_over_1e-3"] = sum(d > 1e-3 for d in diffs)
+        result["agreement_requests"] = len(diffs)
+    except Exception as error:  # noqa: BLE001 - a control: record and go on
+        result["error"] = f"{type(error).__name__}: {error}"
+        say(f"control FAILED: {traceback.format_exc()}")
+    say(f"systemone control (stock, SDPA math vs default): {result}")
+    return result
 
 
 def compiled_systemone(args, loaded: Loaded, request: dict, tokens: int, batch: dict, ref) -> dict[str, Any]:
@@ -418,6 +452,7 @@ def compiled_systemone(args, loaded: Loaded, request: dict, tokens: int, batch: 
         result["rel_error_vs_transformers"] = round(error, 5)
         diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
         result["agreement_max_abs_diff"] = max(diffs)
+        result["requests_over_1e-3"] = sum(d > 1e-3 for d in diffs)
         result["agreement_requests"] = len(diffs)
     except Exception as error:  # noqa: BLE001 - an experiment: record and go on
         result["error"] = f"{type(error).__name__}: {error}"
@@ -994,6 +1029,8 @@ def main() -> None:
     parser.add_argument("--profile-tokens", type=int, default=1088)
     parser.add_argument("--s1-compile", action="store_true",
                         help="systemone: also try the engine compiled by torch.compile inside the CUDA graph")
+    parser.add_argument("--s1-control", action="store_true",
+                        help="systemone: compare the stock path with itself under SDPA's math kernel (rounding floor)")
     parser.add_argument("--s1-no-variants", action="store_true",
                         help="systemone: skip the per-engine-option replay table")
     args = parser.parse_args()
