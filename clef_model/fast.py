@@ -846,10 +846,37 @@ def _give_up(runtime: Any, what: str, error: Exception) -> None:
     warnings.warn(f"blaze fast path disabled ({runtime.__dict__['_fast_failed']}); using the reference path")
 
 
+def compile_requested() -> bool:
+    """Whether ``BLAZE_FAST_COMPILE=1`` asks for the compiled SystemOne backbone (faster, not bit-compatible)."""
+    import os
+
+    return os.environ.get("BLAZE_FAST_COMPILE", "").strip().lower() in ("1", "on", "true", "yes")
+
+
+def compiled_engine(model: torch.nn.Module) -> QwenEngine:
+    """A ``QwenEngine`` whose forward goes through ``torch.compile`` (inductor; one graph per length bucket).
+
+    Inductor fuses the norms, gates and casts between the matmuls. Measured on an H200 at 1,064 tokens
+    (BENCHMARKS.md, run J): SystemOne 37.9 ms median against 49.5 ms for the exact default. Its reductions
+    are not transformers' order of operations, so hidden states and answers move. On random 9B weights
+    they move about as far as the stock path moves under another attention kernel, and near-ties can
+    flip. That is why it is opt-in: check a model with ``blaze canary`` (decision drift) before serving
+    it this way.
+    """
+    import torch._inductor.config as inductor_config
+
+    engine = QwenEngine(model)
+    options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
+    engine._run = torch.compile(engine._run, dynamic=False, options=options)
+    return engine
+
+
 def clef_logits(runtime: Any, batch: dict) -> list | None:
     """``ClefModel(batch)`` for a batch of one text-only record, backbone from a CUDA graph; else None.
 
     Used by ``Runtime`` for SystemOne requests; the release's own joint head scores the hidden states.
+    ``BLAZE_FAST_COMPILE=1`` (read when the first request builds the backbone) compiles it first
+    (`compiled_engine`).
     """
     clef = getattr(runtime, "clef", None)
     if clef is None or batch.get("media") or batch["input_ids"].shape[0] != 1 or not enabled(runtime):
@@ -857,7 +884,8 @@ def clef_logits(runtime: Any, batch: dict) -> list | None:
     backbone = runtime.__dict__.get("_fast_backbone")
     if backbone is None:
         pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
-        backbone = GraphedBackbone(_engine(runtime), pad_token_id=pad)
+        engine = compiled_engine(runtime.model) if compile_requested() else _engine(runtime)
+        backbone = GraphedBackbone(engine, pad_token_id=pad)
         runtime.__dict__["_fast_backbone"] = backbone
     vector = vector_head_requested(getattr(runtime, "release_code", None))
     try:

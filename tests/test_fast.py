@@ -265,3 +265,36 @@ def test_vectorised_head_only_on_request(release, monkeypatch):
     monkeypatch.setenv("BLAZE_FAST_HEAD", "vector")
     assert vector_head_requested(code) is True
     assert vector_head_requested(None) is False  # unknown (e.g. trusted third-party) release code: never
+
+
+def test_compiled_backbone_only_on_request(tiny_runtime, monkeypatch):
+    """BLAZE_FAST_COMPILE=1 routes SystemOne through torch.compile's wrapper of the engine forward.
+
+    torch.compile is replaced by a recording pass-through (compiling on the CPU needs a C++ toolchain and
+    minutes); the GPU figures and the answer drift of the real compile are in BENCHMARKS.md, run J.
+    """
+    from clef_model import fast as fast_module
+
+    compiled = []
+
+    def recording_compile(fn, **options):
+        compiled.append((fn.__name__, options))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    request = _long_invoice(60)
+    monkeypatch.setenv("BLAZE_FAST", "0")
+    reference = tiny_runtime.decision_probabilities([request], batch_size=1)[0]
+    monkeypatch.setenv("BLAZE_FAST", "1")
+    monkeypatch.delenv("BLAZE_FAST_COMPILE", raising=False)
+    tiny_runtime.__dict__.pop("_fast_backbone", None)
+    tiny_runtime.decision_probabilities([request], batch_size=1)
+    assert compiled == []  # off by default
+    monkeypatch.setenv("BLAZE_FAST_COMPILE", "1")
+    tiny_runtime.__dict__.pop("_fast_backbone", None)
+    fast = tiny_runtime.decision_probabilities([request], batch_size=1)[0]
+    assert [name for name, _ in compiled] == ["_run"] and compiled[0][1]["dynamic"] is False
+    assert tiny_runtime.__dict__["_fast_backbone"].engine is not tiny_runtime.__dict__.get("_fast_engine")
+    worst = max(abs(fast[q][o] - reference[q][o]) for q in reference for o in reference[q])
+    assert worst <= 1e-3  # with the pass-through, the same forward as the exact path
+    tiny_runtime.__dict__.pop("_fast_backbone", None)
