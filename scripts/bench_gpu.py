@@ -339,8 +339,7 @@ def section_systemone(args, loaded: Loaded) -> None:
     encode = [timed(lambda: code.encode_record(tok, request))[1] for _ in range(10)]
     enc = code.encode_record(tok, request)
     batch = code.collate_records([enc], tok.pad_token_id or 0, torch.device(DEVICE))
-    text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
-        else loaded.backbone.model
+    text = _text_model(loaded)
     with torch.inference_mode():
         fwd = [timed(lambda: text(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                   use_cache=False))[1] for _ in range(10)]
@@ -389,6 +388,19 @@ def section_systemone(args, loaded: Loaded) -> None:
     free_gpu()
 
 
+def _text_model(loaded: Loaded) -> torch.nn.Module:
+    """The backbone's text decoder (transformers' forward, the reference for hidden states)."""
+    model = loaded.backbone.model
+    return model.language_model if hasattr(model, "language_model") else model
+
+
+def _agreement(args, loaded: Loaded, request: dict, ref, other) -> dict[str, Any]:
+    """Max |Δ| between two SystemOne paths over the agreement requests, and how many exceed 1e-3."""
+    diffs = [_max_abs_diff(ref(r), other(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
+    return {"agreement_max_abs_diff": max(diffs), "requests_over_1e-3": sum(d > 1e-3 for d in diffs),
+            "agreement_requests": len(diffs)}
+
+
 def control_sdpa_math(args, loaded: Loaded, request: dict, batch: dict, ref) -> dict[str, Any]:
     """Control: the stock reference path itself, with full attention forced to SDPA's math kernel.
 
@@ -403,17 +415,13 @@ def control_sdpa_math(args, loaded: Loaded, request: dict, batch: dict, ref) -> 
 
     result: dict[str, Any] = {}
     try:
-        text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
-            else loaded.backbone.model
+        text = _text_model(loaded)
         with torch.inference_mode():
             reference = text(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
             with sdpa_kernel([SDPBackend.MATH]):
                 other = text(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
         result["rel_error_vs_default_sdpa"] = round(float((other - reference).norm() / reference.norm()), 5)
-        diffs = [_max_abs_diff(ref(r), math_ref(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
-        result["agreement_max_abs_diff"] = max(diffs)
-        result["requests_over_1e-3"] = sum(d > 1e-3 for d in diffs)
-        result["agreement_requests"] = len(diffs)
+        result.update(_agreement(args, loaded, request, ref, math_ref))
     except Exception as error:  # noqa: BLE001 - a control: record and go on
         result["error"] = f"{type(error).__name__}: {error}"
         say(f"control FAILED: {traceback.format_exc()}")
@@ -444,16 +452,11 @@ def compiled_systemone(args, loaded: Loaded, request: dict, tokens: int, batch: 
         result["request"] = summary_ms([timed(lambda: fast(request))[1] for _ in range(args.s1_repeats)])
         with torch.inference_mode():
             replay = [timed(lambda: fast.backbone(batch["input_ids"]))[1] for _ in range(20)]
-            text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
-                else loaded.backbone.model
-            reference = text(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
+            reference = _text_model(loaded)(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.float()
             error = float((fast.backbone(batch["input_ids"]).float() - reference).norm() / reference.norm())
         result["backbone_graph"] = summary_ms(replay)
         result["rel_error_vs_transformers"] = round(error, 5)
-        diffs = [_max_abs_diff(ref(r), fast(r)) for r in _agreement_requests(loaded, request)[: args.s1_agree]]
-        result["agreement_max_abs_diff"] = max(diffs)
-        result["requests_over_1e-3"] = sum(d > 1e-3 for d in diffs)
-        result["agreement_requests"] = len(diffs)
+        result.update(_agreement(args, loaded, request, ref, fast))
     except Exception as error:  # noqa: BLE001 - an experiment: record and go on
         result["error"] = f"{type(error).__name__}: {error}"
         say(f"compiled engine FAILED: {traceback.format_exc()}")
@@ -476,8 +479,7 @@ def engine_variants(loaded: Loaded, input_ids: torch.Tensor, tokens: int, repeat
     """Graph-replay time of the SystemOne backbone for each engine option, and its error vs transformers."""
     from clef_model.fast import GraphedBackbone, QwenEngine
 
-    text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
-        else loaded.backbone.model
+    text = _text_model(loaded)
     reference = text(input_ids=input_ids, use_cache=False).last_hidden_state.float()
     results = {}
     for name, options in ENGINE_VARIANTS.items():
@@ -544,8 +546,7 @@ def teacher_forced(loaded: Loaded, sequence: list[int]) -> dict[str, Any]:
     from clef_model.fast import QwenEngine
 
     ids = torch.tensor([sequence], device=DEVICE)
-    text = loaded.backbone.model.language_model if hasattr(loaded.backbone.model, "language_model") \
-        else loaded.backbone.model
+    text = _text_model(loaded)
     head = loaded.backbone.get_output_embeddings()
     ref = head(text(input_ids=ids, use_cache=False).last_hidden_state)[0].float()
     ours = head(QwenEngine(loaded.backbone).hidden_states(ids))[0].float()
