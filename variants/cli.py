@@ -38,3 +38,7 @@ def main() -> None:
 
 for _module in (cli_runtime, cli_surgery, cli_apply, cli_canary, cli_variants):
     _module.register(main)
+
+
+if __name__ == "__main__":  # `python -m variants.cli …` works like the `blaze` command
+    main()
