@@ -324,6 +324,14 @@ def _fully_covered(reader: CheckpointReader, shard: Path) -> bool:
     return position == shard.stat().st_size
 
 
+def _input_sha256(path: Path, hashed: dict[Path, str]) -> str:
+    """SHA-256 of an input file: the known digest, else hashed now and added to `hashed` (for the cache)."""
+    known = known_sha256(path)
+    if known is None:
+        known = hashed[path] = sha256_file(path)
+    return known
+
+
 def _kept_layout(reader: CheckpointReader, max_shard_bytes: int) -> list[Path] | None:
     """The base's shards, when the variant can keep their layout; None when it must be re-sharded.
 
@@ -410,10 +418,7 @@ def _stream_kept_layout(reader: CheckpointReader, shards: list[Path], patch: Pat
              "weight_map": {name: reader.info(name).file.name for name in sorted(reader.names())}}
     index_path = folder / INDEX_NAME
     index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    known = known_sha256(reader.index_path)
-    if known is None:
-        known = hashed[reader.index_path] = sha256_file(reader.index_path)
-    in_hashes[INDEX_NAME] = known
+    in_hashes[INDEX_NAME] = _input_sha256(reader.index_path, hashed)
     out_hashes[INDEX_NAME] = sha256_file(index_path)
     return index, in_hashes, out_hashes
 
@@ -478,10 +483,7 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
         if hasher is not None:
             in_hashes[shard.name] = hashed[shard] = hasher.hexdigest()
     if reader.index_path is not None:
-        known = known_sha256(reader.index_path)
-        if known is None:
-            known = hashed[reader.index_path] = sha256_file(reader.index_path)
-        in_hashes[INDEX_NAME] = known
+        in_hashes[INDEX_NAME] = _input_sha256(reader.index_path, hashed)
     out_hashes = {path.name: hasher.hexdigest() for path, hasher in zip(writer.files, writer.shard_hashers)}
     out_hashes[INDEX_NAME] = sha256_file(folder / INDEX_NAME)
     return index, in_hashes, out_hashes
