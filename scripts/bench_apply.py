@@ -243,7 +243,8 @@ def main() -> None:
     bases = {"hub": snapshot, "folder": folder}
     patch_file = work / "delta.safetensors"
     first, last = (int(x) for x in args.layers.split("-"))
-    patch = make_patch(resolve_release(folder), range(first, last + 1))
+    # made on the Hub layout, as `blaze edit` on a downloaded base would: the identity records shard hashes
+    patch = make_patch(resolve_release(snapshot), range(first, last + 1))
     patch.save(patch_file)
     total = sum(p.stat().st_size for p in base_files(folder))
     print(f"base {total / 1e9:.2f} GB ({build_seconds:.0f} s to build/reuse, {hub_seconds:.0f} s for the hub "

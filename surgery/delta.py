@@ -263,8 +263,11 @@ def base_identity(release, names: list[str]) -> dict:
 
     `release` is a `clef_model.release.Release` (or anything with `path`, `ref`, `revision`). Hashing only
     the edited tensors keeps this cheap on a 19 GB checkpoint while still catching a different base.
+    `shard_sha256` records the SHA-256 of the shards holding those tensors where it is already known (Hub
+    blob names, blaze's hash cache; nothing is read for it): a later `blaze apply` to a base whose shard has
+    the same known hash can skip hashing the tensors inside it (`trusted_tensor_sha256`).
     """
-    from clef_model.filehash import file_sha256
+    from clef_model.filehash import file_sha256, known_sha256
 
     reader = CheckpointReader(Path(release.path))
     index = reader.index_path
@@ -281,7 +284,33 @@ def base_identity(release, names: list[str]) -> dict:
         "index_file": INDEX_NAME if index is not None else reader.shard_files()[0].name,
         "total_size": reader.total_bytes(),
         "tensor_sha256": {name: tensor_sha256(reader, f"{name}.weight") for name in sorted(names)},
+        "shard_sha256": {shard.name: digest for shard in sorted({reader.info(f"{n}.weight").file for n in names})
+                         if (digest := known_sha256(shard)) is not None},
     }
+
+
+def trusted_tensor_sha256(patch, release) -> dict[str, str]:
+    """Recorded tensor hashes (NAME -> SHA-256) that hold for `release` without reading the tensors.
+
+    A tensor qualifies when its shard in `release` has the same file name and an already-known SHA-256
+    (Hub blob name, hash cache) equal to the one recorded in the patch: the same file holds the same bytes.
+    Only meaningful after the index check passed (same index, so the same tensor-to-shard map).
+    """
+    from clef_model.filehash import known_sha256
+
+    recorded = patch.base_identity or {}
+    shards = recorded.get("shard_sha256") or {}
+    if not shards:
+        return {}
+    reader = CheckpointReader(Path(release.path))
+    trusted = {}
+    for name, digest in recorded.get("tensor_sha256", {}).items():
+        if f"{name}.weight" not in reader:
+            continue
+        shard = reader.info(f"{name}.weight").file
+        if shards.get(shard.name) is not None and known_sha256(shard) == shards[shard.name]:
+            trusted[name] = digest
+    return trusted
 
 
 def identity_mismatches(patch, release) -> list[str]:

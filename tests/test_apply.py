@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
+import os
 import json
 import shutil
 from pathlib import Path
@@ -345,7 +347,6 @@ def test_block_update_is_addmm_for_rank_one_and_reproducible():
 
 def test_apply_runs_without_torch(base, variant, tmp_path):
     """`blaze apply` in a fresh interpreter never imports torch (its CUDA build alone is ≈ 700 MiB)."""
-    import os
     import subprocess
     import sys
 
@@ -392,7 +393,6 @@ class _HashSpy:
 
 def _aged_copy(base, folder: Path):
     """A copy of the base whose files are a minute old (hash-cache entries for them are not 'racy')."""
-    import os
     import time
 
     shutil.copytree(base.path, folder)
@@ -438,19 +438,13 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
     assert off_spy.streams == written + len(touched) + edited
 
 
-def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkeypatch):
-    """A base inside a Hugging Face cache: LFS blobs (64-hex names) are not read for hashing; the rest is."""
-    import hashlib
-    import os
-
-    monkeypatch.setenv("BLAZE_HASH_CACHE", "0")
-    _out, patch = variant
-    repo = tmp_path / "hub" / "models--org--tiny"
+def _hub_snapshot(folder: Path, repo: Path) -> tuple[Path, set[str]]:
+    """A Hugging Face cache layout of `folder` under `repo`: LFS blobs named by SHA-256, others by git SHA-1."""
     snapshot = repo / "snapshots" / ("c" * 40)
     (repo / "blobs").mkdir(parents=True)
     lfs = set()
-    for path in sorted(p for p in base.path.rglob("*") if p.is_file()):
-        relative = path.relative_to(base.path)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = path.relative_to(folder)
         if path.suffix == ".safetensors":
             blob = repo / "blobs" / sha256_file(path)
             lfs.add(relative.as_posix())
@@ -459,6 +453,15 @@ def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkey
         shutil.copyfile(path, blob)
         (snapshot / relative).parent.mkdir(parents=True, exist_ok=True)
         (snapshot / relative).symlink_to(os.path.relpath(blob, (snapshot / relative).parent))
+    return snapshot, lfs
+
+
+def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkeypatch):
+    """A base inside a Hugging Face cache: LFS blobs (64-hex names) are not read for hashing; the rest is."""
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "0")
+    _out, patch = variant
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, lfs = _hub_snapshot(base.path, repo)
     release = resolve_release(snapshot)
     spy = _HashSpy(monkeypatch)
     out = write_variant(release, patch, tmp_path / "out", progress=False)
@@ -504,3 +507,41 @@ def test_kept_layout_changes_only_the_edited_bytes(base, variant, tmp_path):
         assert after[position:] == before[position:]
     assert verify_manifest(out) == []
     assert json.loads((out / INDEX_NAME).read_text())["weight_map"] == reader.weight_map()
+
+
+def test_apply_trusts_recorded_shard_hashes_of_a_hub_base(base, tmp_path, monkeypatch):
+    """A patch made on a Hub base records its shards' hashes; applying it to the same Hub base then hashes no
+    edited tensor, while a base whose shard differs is still verified tensor by tensor (and refused)."""
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "0")
+    snapshot, _ = _hub_snapshot(base.path, tmp_path / "hub" / "models--org--tiny")
+    release = resolve_release(snapshot)
+    patch = _patch(release)
+    reader = CheckpointReader(snapshot)
+    touched = {reader.info(f"{n}.weight").file.name for n in patch.names()}
+    assert set(patch.base_identity["shard_sha256"]) == touched
+    patch_file = tmp_path / "patch.safetensors"
+    patch.save(patch_file)
+    runner = CliRunner()
+    spy = _HashSpy(monkeypatch)
+    result = runner.invoke(main, ["apply", str(patch_file), "--base", str(snapshot), "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert spy.streams == len(touched)  # the output shards with edits only: no edited tensor was hashed
+    assert read_manifest(tmp_path / "a")["base"]["tensor_sha256"] == patch.base_identity["tensor_sha256"]
+    assert verify_manifest(tmp_path / "a") == []
+
+    other, _ = _hub_snapshot(base.path, tmp_path / "hub2" / "models--org--tiny")
+    name = f"{patch.names()[0]}.weight"
+    info = CheckpointReader(other).info(name)
+    blob = info.file.resolve()
+    data = bytearray(blob.read_bytes())
+    data[info.offset] ^= 0x01  # one stored value of an edited tensor; the blob is renamed to its new hash
+    renamed = blob.with_name(hashlib.sha256(data).hexdigest())
+    renamed.write_bytes(data)
+    blob.unlink()
+    link = other / info.file.name
+    link.unlink()
+    link.symlink_to(os.path.relpath(renamed, link.parent))
+    spy = _HashSpy(monkeypatch)
+    result = runner.invoke(main, ["apply", str(patch_file), "--base", str(other), "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "different values" in result.output
+    assert not (tmp_path / "b").exists()

@@ -79,7 +79,7 @@ def register(group: click.Group) -> None:
 
         from clef_model.checkpoint import sha256_file
         from clef_model.release import DEFAULT_BASE, resolve_release
-        from surgery.delta import BaseMismatchError, PatchArrays, check_identity, patch_path
+        from surgery.delta import BaseMismatchError, PatchArrays, check_identity, patch_path, trusted_tensor_sha256
         from surgery.manifest import read_manifest
         from surgery.write import write_variant
 
@@ -90,6 +90,7 @@ def register(group: click.Group) -> None:
         ref = base or recorded.get("ref") or DEFAULT_BASE
         release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
         expected: dict[str, str] = {}
+        trusted: dict[str, str] = {}
         if not recorded:
             click.echo("warning: the patch records no base identity; it cannot be checked against "
                        f"{release.ref}. Applying anyway.", err=True)
@@ -104,13 +105,15 @@ def register(group: click.Group) -> None:
             if problems:
                 click.echo(f"warning: applying to a different base than recorded ({'; '.join(problems[:3])}).",
                            err=True)
+            # tensors in a shard whose known hash equals the recorded one need no hashing at all
+            trusted = {} if problems else trusted_tensor_sha256(loaded, release)
             if not force:
-                expected = dict(recorded.get("tensor_sha256", {}))
+                expected = {n: d for n, d in recorded.get("tensor_sha256", {}).items() if n not in trusted}
         extra = {"command": "apply", "patch_sha256": sha256_file(patch_file), **{
             k: v for k, v in loaded.metadata.items() if k in ("behavior", "behavior_spec_sha256", "method")}}
         try:
             write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra,
-                          expect_tensor_sha256=expected)
+                          known_tensor_sha256=trusted, expect_tensor_sha256=expected)
         except BaseMismatchError as error:
             raise BlazeError(f"{release.ref} is not the base this patch was made from ({error}). "
                              "Pass the right --base, or --force to apply anyway.") from error
