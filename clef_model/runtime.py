@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from clef_model import fast as _fast  # optional fast paths (issue 6); each hook falls back to the reference
+from clef_model.backbone import text_decoder
 from clef_model.errors import BlazeError, ReleaseError
 from clef_model.release import Release, resolve_release
 from clef_model.trust import load_release_code
@@ -47,20 +49,62 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+class RequestError(BlazeError, ValueError):
+    """A SystemOne request that the release would refuse or choke on; the message names the field.
+
+    A ValueError too, so code written against the release's own `systemone` (which raises ValueError)
+    keeps working; a BlazeError, so the CLI reports it as bad input (exit 2).
+    """
+
+
+_QUESTION_TYPES = ("noul", "choice", "score")
+
+
+def _kind(value: Any) -> str:
+    """A JSON type name for messages ("a string", "a list", ...)."""
+    for kind, name in ((bool, "a boolean"), (str, "a string"), (dict, "an object"), (list, "a list"),
+                       (int, "a number"), (float, "a number"), (type(None), "null")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
 def validate_request(request: Any) -> None:
-    """The checks the release's `systemone` makes, with its messages (ValueError), before any encoding."""
+    """The checks the release's `systemone` makes (same first messages), plus the shapes its encoder assumes.
+
+    Raises RequestError naming the field, e.g. `questions.q1.criteria: must be an object mapping option ids
+    to descriptions for a choice question (got a string)`, so a malformed request never reaches the release
+    code (where it would fail with a KeyError or AttributeError deep inside the encoder).
+    """
     if not isinstance(request, dict):
-        raise ValueError("request must be a JSON object")
-    questions = request.get("questions")
+        raise RequestError(f"request must be a JSON object (got {_kind(request)})")
     if not isinstance(request.get("model"), str) or "state" not in request:
-        raise ValueError("model and state are required")
-    if not isinstance(questions, dict) or not questions:
-        raise ValueError("at least one question is required")
+        raise RequestError("model and state are required")
+    questions = request.get("questions")
+    if isinstance(questions, list):
+        raise RequestError("questions: must be an object mapping question ids to questions "
+                           '(got a list; write {"q1": {...}, "q2": {...}})')
+    if questions is not None and not isinstance(questions, dict):
+        raise RequestError(f"questions: must be an object mapping question ids to questions (got {_kind(questions)})")
+    if not questions:
+        raise RequestError("at least one question is required")
     for question_id, question in questions.items():
-        if not isinstance(question, dict) or question.get("type") not in ("noul", "choice", "score"):
-            raise ValueError(f"{question_id}: type must be noul, choice, or score")
-        if question["type"] != "noul" and not question.get("criteria"):
-            raise ValueError(f"{question_id}: criteria must not be empty")
+        where = f"questions.{question_id}"
+        if not isinstance(question, dict) or question.get("type") not in _QUESTION_TYPES:
+            raise RequestError(f"{question_id}: type must be noul, choice, or score")
+        criteria = question.get("criteria")
+        if question["type"] != "noul" and not criteria:
+            raise RequestError(f"{question_id}: criteria must not be empty")
+        if question["type"] == "choice" and not isinstance(criteria, dict):
+            raise RequestError(f"{where}.criteria: must be an object mapping option ids to descriptions for a "
+                               f"choice question (got {_kind(criteria)})")
+        if question["type"] == "score" and not isinstance(criteria, list):
+            raise RequestError(f"{where}.criteria: must be a list of level descriptions for a score question "
+                               f"(got {_kind(criteria)})")
+        if question["type"] == "noul" and criteria is not None:
+            if not isinstance(criteria, dict) or not set(criteria) <= {"true", "false"}:
+                raise RequestError(f"{where}.criteria: a noul question's criteria, when given, must be an object "
+                                   'with at most the keys "true" and "false"')
 
 
 class Runtime:
@@ -88,6 +132,7 @@ class Runtime:
         self.is_clef = clef is not None
         self._chat_template = self._read_chat_template()
         self._named_linears: dict[str, torch.nn.Linear] | None = None
+        self.warnings: list[str] = []  # things a report should mention (e.g. a state cut to fit)
 
     # -- loading ---------------------------------------------------------------------------------------
     @classmethod
@@ -108,12 +153,13 @@ class Runtime:
             hf_logging.disable_progress_bar()
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or default_dtype(device)
+        _check_weight_files(release)
         if release.kind == "clef":
             code = load_release_code(release, trust_release_code)
             try:
                 clef, processor = code.load_release_model(release.path, device=str(device), dtype=dtype)
-            except (OSError, ValueError, RuntimeError, KeyError) as error:
-                raise ReleaseError(f"the release at {release.path} failed to load: {error}") from error
+            except Exception as error:  # noqa: BLE001 - damaged release files fail in many library types
+                raise ReleaseError(_load_failure(release, error)) from error
             backbone = clef.language_model
             _enable_cache(backbone)
             return cls(release, backbone, processor.tokenizer, processor, device, dtype, clef, code)
@@ -122,8 +168,8 @@ class Runtime:
         try:
             model = AutoModelForCausalLM.from_pretrained(release.path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(release.path)
-        except (OSError, ValueError, RuntimeError, KeyError) as error:
-            raise ReleaseError(f"the model at {release.path} failed to load: {error}") from error
+        except Exception as error:  # noqa: BLE001 - damaged release files fail in many library types
+            raise ReleaseError(_load_failure(release, error)) from error
         model = model.to(device).eval()
         _enable_cache(model)
         return cls(release, model, tokenizer, None, device, dtype)
@@ -131,7 +177,10 @@ class Runtime:
     def _read_chat_template(self) -> str | None:
         path = self.release.path / "chat_template.jinja"
         if path.is_file():
-            return path.read_text(encoding="utf-8")
+            try:
+                return path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise ReleaseError(f"{path} is unreadable ({error}); the release is damaged, re-download it.") from None
         return getattr(self.tokenizer, "chat_template", None)
 
     # -- typed decisions ------------------------------------------------------------------------------
@@ -147,12 +196,34 @@ class Runtime:
         """Encode SystemOne requests with the release's own `encode_record` (validated like the release)."""
         code = self._require_clef()
         encoded = []
-        for request in requests:
+        for index, request in enumerate(requests):
             validate_request(request)
-            encoded.append(
-                code.encode_record(self.tokenizer, request, max_length=max_length, processor=self.processor)
-            )
+            record = code.encode_record(self.tokenizer, request, max_length=max_length, processor=self.processor)
+            if len(record.input_ids) >= max_length:
+                self._warn_if_state_cut(code, request, record, max_length, index)
+            encoded.append(record)
         return encoded
+
+    def _warn_if_state_cut(self, code: ModuleType, request: dict, record: Any, max_length: int, index: int) -> None:
+        """Warn (stderr, and `self.warnings` for reports) when the release's encoder cut the state to fit.
+
+        The release truncates `state` silently to `max_length` tokens in all; the decision is then made on
+        part of the state. Only a request that fills `max_length` exactly is re-tokenised to check.
+        """
+        state_tokens = len(code._tokens(self.tokenizer, code.render(request["state"])))
+        kept = len(record.input_ids) - (self._fixed_tokens(code, request, record) or 0)
+        if state_tokens > kept:
+            message = (f"request {index}: its state is {state_tokens} tokens; only the first {kept} were used "
+                       f"(the input is capped at {max_length} tokens). Shorten the state to decide on all of it.")
+            self.warnings.append(message)
+            print(f"warning: {message}", file=sys.stderr)
+
+    def _fixed_tokens(self, code: ModuleType, request: dict, record: Any) -> int | None:
+        """Tokens of the record that are not state: everything but the state span."""
+        state_only = code.encode_record(self.tokenizer, {**request, "state": ""}, max_length=10**9,
+                                        processor=self.processor)
+        empty_state = len(code._tokens(self.tokenizer, code.render("")))
+        return len(state_only.input_ids) - empty_state
 
     @torch.inference_mode()
     def _option_probabilities(
@@ -168,7 +239,7 @@ class Runtime:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = code.collate_records([encoded[i] for i in chunk], self.tokenizer.pad_token_id, self.device)
-            # [fast path, issue 6: clef_model/fast.py] batch-1 text requests through a CUDA-graphed backbone
+            # [fast path, issue 6: clef_model/fast/hooks.py] batch-1 text requests through a CUDA-graphed backbone
             logits = _fast.clef_logits(self, batch)
             if logits is None:
                 logits = self.clef(batch)
@@ -228,13 +299,19 @@ class Runtime:
         """The prompt rendered by the release's chat template (generation prompt, thinking off)."""
         if not self._chat_template:
             raise ReleaseError(f"{self.release.ref} has no chat template; free-form generation needs one.")
-        return self.tokenizer.apply_chat_template(
-            self._messages(prompt, system),
-            chat_template=self._chat_template,
-            add_generation_prompt=True,
-            enable_thinking=False,
-            tokenize=False,
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                self._messages(prompt, system),
+                chat_template=self._chat_template,
+                add_generation_prompt=True,
+                enable_thinking=False,
+                tokenize=False,
+            )
+        except TemplateError as error:
+            raise ReleaseError(f"the chat template of {self.release.ref} does not render ({error}); "
+                               "chat_template.jinja is damaged, re-download the release.") from None
 
     def chat_ids(self, prompt: Prompt, system: str | None = None) -> list[int]:
         """Token ids of the prompt through the release's chat template, add_generation_prompt, thinking off."""
@@ -285,7 +362,7 @@ class Runtime:
                 ids = encoded[i]
                 input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, width - len(ids) :] = 1
-            # [fast path, issue 6: clef_model/fast.py] static caches + CUDA-graph decode; None -> reference
+            # [fast path, issue 6: clef_model/fast/hooks.py] static caches + CUDA-graph decode; None -> reference
             rows = _fast.greedy_rows(self, [encoded[i] for i in chunk], max_new_tokens, stops)
             if rows is None:
                 output = self.model.generate(
@@ -317,8 +394,7 @@ class Runtime:
     # -- module access for surgery --------------------------------------------------------------------
     def text_model(self) -> torch.nn.Module:
         """The decoder stack (embeddings, layers, final norm): forward(input_ids, attention_mask) -> hidden states."""
-        inner = self.model.model
-        return getattr(inner, "language_model", inner)
+        return text_decoder(self.model)
 
     def decoder_layers(self) -> list[torch.nn.Module]:
         """The backbone's decoder layers, in order."""
@@ -366,6 +442,28 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"Runtime({json.dumps(self.describe())})"
+
+
+def _check_weight_files(release: Release) -> None:
+    """Parse every safetensors header of the release (cheap: headers only) before a library loads them.
+
+    A truncated or garbled shard (or joint head) then fails with a ReleaseError naming the file and saying
+    to re-download it, instead of an error from deep inside safetensors or transformers.
+    """
+    from clef_model.checkpoint import CheckpointReader, read_header
+
+    CheckpointReader(release.path)
+    head = release.path / "joint_head.safetensors"
+    if release.kind == "clef" and head.is_file():
+        read_header(head)
+
+
+def _load_failure(release: Release, error: BaseException) -> str:
+    """The message for a release whose files did not load (names the file when the error does)."""
+    culprit = getattr(error, "filename", None)
+    where = f" ({culprit})" if culprit else ""
+    return (f"the release at {release.path} failed to load{where}: {type(error).__name__}: {error}. "
+            "A file of the release is damaged or incompatible; re-download it (or rebuild the fixture).")
 
 
 def _disk_name(module_name: str, on_disk: set[str]) -> str | None:
