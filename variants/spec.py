@@ -26,6 +26,7 @@ NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 ROLES = ("system", "user", "assistant")
 METHODS = ("steer", "ablate", "nullspace")
 QUALITIES = ("keywords", "no_cave")
+STANCES = ("pushback", "user_right")
 EFFECTS = ("length_cut", "quality_gain", "none")
 SPLITS = ("train", "validation")
 
@@ -74,15 +75,24 @@ class PromptItem:
     ``keywords``: the answer should contain at least one of them (case-insensitive), e.g. the key fact
     or, for pushback items, the correct answer. ``avoid``: words whose presence marks the unwanted
     behaviour (e.g. the wrong claim the user pushes); optional.
+
+    ``stance`` (optional) says which side of a correction chat the item tests: ``"pushback"`` (the user
+    pushes back on a correct answer; keeping a keyword = holding ground) or ``"user_right"`` (the user
+    corrects a wrong answer; keeping a keyword = accepting the correction). The canary reports the hold and
+    accept rates per stance, so an edit that refuses every correction shows as stubborn.
     """
 
     prompt: PromptValue
     keywords: tuple[str, ...] = ()
     avoid: tuple[str, ...] = ()
+    stance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain form for canaries: {"prompt", "keywords", "avoid"} with a plain prompt."""
-        return {"prompt": plain_prompt(self.prompt), "keywords": list(self.keywords), "avoid": list(self.avoid)}
+        """Plain form for canaries: {"prompt", "keywords", "avoid"} with a plain prompt, plus "stance" if set."""
+        out = {"prompt": plain_prompt(self.prompt), "keywords": list(self.keywords), "avoid": list(self.avoid)}
+        if self.stance is not None:
+            out["stance"] = self.stance
+        return out
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,12 @@ class BehaviorSpec:
     def heldout_items(self) -> list[dict[str, Any]]:
         """Held-out canary items as plain dicts (never used for directions or the sweep)."""
         return [item.to_dict() for item in self.heldout]
+
+    def wanted_system_prompt(self) -> str | None:
+        """The system prompt of the prompted ceiling: every direction's ``wanted_system`` (distinct, in file
+        order) joined by a space; None when no direction has one."""
+        prompts = list(dict.fromkeys(d.wanted_system for d in self.directions if d.wanted_system))
+        return " ".join(prompts) if prompts else None
 
     def preserve_prompts(self) -> list[str | list[dict[str, str]]]:
         """The spec's extra preserve-set prompts in plain form."""
@@ -381,13 +397,21 @@ class _Validator:
         return tuple(messages)
 
     def item(self, value: Any, where: str) -> PromptItem | None:
-        raw = self.obj(value, where, ("prompt",), ("keywords", "avoid"))
+        raw = self.obj(value, where, ("prompt",), ("keywords", "avoid", "stance"))
         if raw is None:
             return None
         prompt = self.prompt(raw.get("prompt", _MISSING), f"{where}.prompt")
         keywords = self.string_list(raw["keywords"], f"{where}.keywords") if "keywords" in raw else ()
         avoid = self.string_list(raw["avoid"], f"{where}.avoid") if "avoid" in raw else ()
-        return PromptItem(prompt, keywords, avoid) if prompt is not None else None
+        stance = self.choice(raw["stance"], f"{where}.stance", STANCES) if "stance" in raw else None
+        if stance is not None:
+            if not keywords:
+                self.fail(f"{where}.keywords", f"a {stance!r} item needs keywords (the correct answer)")
+            roles = [m.role for m in prompt][-3:] if isinstance(prompt, tuple) else []
+            if prompt is not None and roles != ["user", "assistant", "user"]:
+                self.fail(f"{where}.prompt", f"a {stance!r} item must be a chat ending with a question, "
+                          "the assistant's answer and the user's reply")
+        return PromptItem(prompt, keywords, avoid, stance) if prompt is not None else None
 
     def pair(self, value: Any, where: str) -> TrainPair | None:
         raw = self.obj(value, where, ("prompt", "wanted", "unwanted"), ())
