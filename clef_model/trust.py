@@ -1,13 +1,19 @@
 """Trust for release code: `joint_schema_model.py` is executable Python that comes with a release.
 
-blaze imports it only when its SHA-256 is on the allowlist below (files Cloudflare published), or when
-the user opts in explicitly (`trust_release_code=True`, `--trust-release-code` on the CLI). The file is
-imported by path under a unique module name, so two releases never share a module and `sys.path` is
+blaze runs it only when its SHA-256 is on the allowlist below (files Cloudflare published), or when
+the user opts in explicitly (`trust_release_code=True`, `--trust-release-code` on the CLI).
+
+The code that runs is the code that was checked: the file is read once, those bytes are hashed, and the
+same bytes are compiled and executed into a fresh module. Python's import system is not used for it, so
+no `__pycache__/*.pyc` in the release folder is ever read (a planted bytecode file compiled from a
+changed copy cannot stand in for the checked source) and none is written (the base folder stays
+byte-identical). Each module gets a unique name, so two releases never share a module and `sys.path` is
 never touched.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -41,12 +47,18 @@ def import_release_code_file(path: Path, trust_release_code: bool = False) -> Mo
     """Import a `joint_schema_model.py` by file path, after checking its hash against the allowlist.
 
     Raises UntrustedCodeError (showing the hash and the opt-in) when the file is not allowlisted and
-    `trust_release_code` is False. The same file content is imported once per process.
+    `trust_release_code` is False. The bytes that were hashed are the bytes compiled and run
+    (`_exec_source`): bytecode caches are neither read nor written. The same file content is imported
+    once per process.
     """
     path = Path(path).resolve()
     if not path.is_file():
         raise ReleaseError(f"release code {path} does not exist; the release is incomplete.")
-    sha = sha256_file(path)
+    try:
+        source = path.read_bytes()  # read once: these bytes are hashed, compiled and run
+    except OSError as error:
+        raise ReleaseError(f"release code {path} cannot be read ({error.strerror}); check its permissions.") from None
+    sha = hashlib.sha256(source).hexdigest()
     if sha not in KNOWN_RELEASE_CODE and not trust_release_code:
         raise UntrustedCodeError(
             f"{path} has SHA-256 {sha}, which is not a known Cloudflare release-code file. "
@@ -56,19 +68,28 @@ def import_release_code_file(path: Path, trust_release_code: bool = False) -> Mo
     key = (str(path), sha)
     if key in _loaded:
         return _loaded[key]
-    module_name = f"_blaze_release_code_{sha[:16]}_{len(_loaded)}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ReleaseError(f"cannot import release code from {path}.")
+    module = _exec_source(source, path, f"_blaze_release_code_{sha[:16]}_{len(_loaded)}")
+    _loaded[key] = module
+    return module
+
+
+def _exec_source(source: bytes, path: Path, module_name: str) -> ModuleType:
+    """Compile `source` (the checked bytes) and run it as a new module; no bytecode is read or written."""
+    try:
+        code = compile(source, str(path), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as error:
+        raise ReleaseError(f"release code {path} is not valid Python ({error}); re-download the release.") from None
+    # a spec without a loader: importlib's machinery never touches the release folder for this module
+    spec = importlib.util.spec_from_loader(module_name, loader=None, origin=str(path))
     module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(path)
     # dataclasses resolve annotations through sys.modules, so the module must be registered while it runs.
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(code, module.__dict__)  # noqa: S102 - allowlisted (or explicitly trusted) release code
     except Exception as error:
         del sys.modules[module_name]
         raise ReleaseError(f"release code {path} failed to import: {error}") from error
-    _loaded[key] = module
     return module
 
 
