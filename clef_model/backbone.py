@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # torch is only needed for the annotations
     import torch
 
 
-def text_decoder(model: "torch.nn.Module") -> "torch.nn.Module":
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack (embeddings, layers, final norm) of a causal LM or a Qwen3.5 multimodal model.
 
     Its forward takes ``input_ids`` (and ``attention_mask``) and returns the final hidden states, without

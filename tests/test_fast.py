@@ -1,7 +1,7 @@
 """The fast paths (clef_model.fast) compute what the reference transformers / release-code paths compute.
 
 CPU, float32, on the `tiny` fixture (real Qwen3.5 structure, random weights). The CUDA-graph capture
-itself only runs on a GPU (scripts/bench_gpu.py checks it there against the same references); these
+itself only runs on a GPU (scripts/bench checks it there against the same references); these
 tests cover the same static-shape code it captures: padded SystemOne forwards and the static-cache
 decode step.
 """
