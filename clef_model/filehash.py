@@ -9,9 +9,10 @@ hashes it can trust:
    (all weights) the blob name is the file's SHA-256, checked by `huggingface_hub` at download. Only
    64-hex-digit names are SHA-256; 40-digit names are git SHA-1s of small files and are hashed normally.
 2. **A per-file hash cache** at `$BLAZE_CACHE/sha256-cache.json` (default `~/.cache/blaze/`), one entry
-   per real path holding (st_dev, st_ino, st_size, st_mtime_ns) and the digest. It is filled whenever blaze
-   hashes a whole file for a manifest (inputs it read, outputs it wrote). An entry is used only when all
-   four stat fields still match, and only when the file's mtime is more than 2 s older than the moment the
+   per real path holding (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) and the digest. It is filled
+   whenever blaze hashes a whole file for a manifest (inputs it read, outputs it wrote). An entry is used
+   only when all five stat fields still match (the inode change time cannot be set back with `os.utime`
+   or `touch -d`, so a file rewritten in place with its old mtime restored is hashed again), and only when the file's mtime is more than 2 s older than the moment the
    hash was taken (git's "racy" rule: a file changed again within the filesystem's timestamp granularity
    could otherwise keep its old mtime). The file is rewritten atomically (temporary file + rename, under
    a lock); an unreadable or corrupt cache is ignored, never fatal. `BLAZE_HASH_CACHE=0` turns the cache off
@@ -37,7 +38,7 @@ from clef_model.checkpoint import sha256_file
 
 ENV_SWITCH = "BLAZE_HASH_CACHE"
 CACHE_NAME = "sha256-cache.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: entries also hold st_ctime_ns
 MAX_ENTRIES = 20_000
 RACY_NS = 2 * 10**9  # an entry is trusted only if the file's mtime is this much older than the hash
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
@@ -71,7 +72,8 @@ def _stat_key(path: Path) -> tuple[str, dict] | None:
         stat = os.stat(real)
     except OSError:
         return None
-    return real, {"dev": stat.st_dev, "ino": stat.st_ino, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return real, {"dev": stat.st_dev, "ino": stat.st_ino, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                  "ctime_ns": stat.st_ctime_ns}
 
 
 _memo: dict[str, tuple[tuple, dict[str, dict]]] = {}  # cache file -> (its stat, entries): one parse per change

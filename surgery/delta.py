@@ -263,11 +263,13 @@ def base_identity(release, names: list[str]) -> dict:
 
     `release` is a `clef_model.release.Release` (or anything with `path`, `ref`, `revision`). Hashing only
     the edited tensors keeps this cheap on a 19 GB checkpoint while still catching a different base.
-    `shard_sha256` records the SHA-256 of the shards holding those tensors where it is already known (Hub
-    blob names, blaze's hash cache; nothing is read for it): a later `blaze apply` to a base whose shard has
-    the same known hash can skip hashing the tensors inside it (`trusted_tensor_sha256`).
+    `shard_sha256` records the SHA-256 of the shards holding those tensors where a Hugging Face cache blob
+    name gives it (nothing is read for it): a later `blaze apply` to a base whose shard has the same known
+    hash can skip hashing the tensors inside it (`trusted_tensor_sha256`). blaze's own hash cache is not
+    consulted here, so the patch (and the manifest that copies it) is the same bytes whatever state the
+    cache is in: a first edit and a rerun give byte-identical files.
     """
-    from clef_model.filehash import file_sha256, known_sha256
+    from clef_model.filehash import file_sha256, hub_blob_sha256
 
     reader = CheckpointReader(Path(release.path))
     index = reader.index_path
@@ -285,7 +287,7 @@ def base_identity(release, names: list[str]) -> dict:
         "total_size": reader.total_bytes(),
         "tensor_sha256": {name: tensor_sha256(reader, f"{name}.weight") for name in sorted(names)},
         "shard_sha256": {shard.name: digest for shard in sorted({reader.info(f"{n}.weight").file for n in names})
-                         if (digest := known_sha256(shard)) is not None},
+                         if (digest := hub_blob_sha256(shard)) is not None},
     }
 
 

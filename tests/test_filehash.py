@@ -102,3 +102,39 @@ def test_switch_off_and_unwritable_cache(tmp_path, cache_on, monkeypatch):
     blocker.write_text("x")
     monkeypatch.setenv("BLAZE_CACHE", str(blocker))  # the cache folder cannot be created: never fatal
     assert filehash.file_sha256(path) == sha256_file(path)
+
+
+def test_file_changed_in_place_with_mtime_restored_is_hashed_again(tmp_path, cache_on):
+    """Rewriting a file in place (same inode, same size) and restoring its mtime cannot fool the cache: the
+    inode change time is part of the key and `os.utime` cannot set it back."""
+    path = _old_file(tmp_path / "shard.bin", b"original bytes!")
+    digest = filehash.file_sha256(path)
+    assert filehash.known_sha256(path) == digest
+    stat = path.stat()
+    time.sleep(0.01)  # let the clock (and so the next ctime) move on, even on a coarse-grained filesystem
+    with open(path, "r+b") as handle:  # in place: same inode, same size
+        handle.write(b"CHANGED")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    assert after.st_ctime_ns != stat.st_ctime_ns
+    assert filehash.known_sha256(path) is None
+    assert filehash.file_sha256(path) == sha256_file(path) != digest
+
+
+def test_patch_identity_does_not_depend_on_the_hash_cache(tiny_release, tmp_path, monkeypatch):
+    """The base identity a patch records (and the manifest copies) is the same with a cold cache, a warm
+    cache and no cache: a first edit and a rerun write byte-identical patch files."""
+    from surgery.delta import base_identity
+
+    monkeypatch.setenv("BLAZE_CACHE", str(tmp_path / "blaze-cache"))
+    names = ["model.language_model.layers.3.mlp.down_proj"]
+    identities = []
+    for switch in ("0", "1", "1"):  # off, then cold, then warm (the first "1" filled it)
+        monkeypatch.setenv("BLAZE_HASH_CACHE", switch)
+        for shard in tiny_release.glob("*.safetensors"):  # make the entries non-racy where they exist
+            filehash.record_sha256({shard: sha256_file(shard)}, hashed_ns=time.time_ns() + 10**10)
+        identities.append(json.dumps(base_identity(type("R", (), {"path": tiny_release, "ref": "t",
+                                                                  "revision": None})(), names), sort_keys=True))
+    assert any(filehash.known_sha256(s) for s in tiny_release.glob("*.safetensors"))  # the cache was warm
+    assert identities[0] == identities[1] == identities[2]
