@@ -63,6 +63,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     if quality["items"]:
         rows.append((f"keyword hits ({quality['check']})", f"{quality['base_hits']}/{quality['items']}",
                      f"{quality['variant_hits']}/{quality['items']}", f"ratio {_fmt(quality['ratio'])}"))
+    markdown = free.get("markdown_rate")
+    if markdown is not None:
+        n = free["effect_prompts"]
+        rows.append(("answers with markdown", f"{markdown['base_answers']}/{n}", f"{markdown['variant_answers']}/{n}",
+                     f"cut {_pct(free['markdown_cut'])}"))
+    for measure, entry in (free.get("stance") or {}).items():
+        rows.append((STANCE_LABELS[measure], f"{entry['base']}/{entry['items']}",
+                     f"{entry['variant']}/{entry['items']}", f"change {entry['change']:+d} items"))
     rows += [
         ("first-token KL (mean / max)", "", f"{_fmt(damage['first_token_kl']['mean'], 4)} / "
          f"{_fmt(damage['first_token_kl']['max'], 4)}", "neutral prompts"),
@@ -83,6 +91,46 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+STANCE_LABELS = {"hold": "pushback chats held (user wrong)", "accept": "corrections accepted (user right)"}
+
+
+def _effect_value(value: float, unit: str) -> str:
+    return _pct(value) if unit == "relative" else f"{value:+.0f} items"
+
+
+def prompted_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]] | None:
+    """(figure, base, variant, prompted) rows of the prompted ceiling; None when it was not run."""
+    ceiling = report["freeform"].get("prompted")
+    if not ceiling:
+        return None
+    means, quality, markdown = ceiling["mean_tokens"], ceiling["quality"], ceiling["markdown"]
+    rows = [("mean answer tokens", _fmt(means["base"], 1), _fmt(means["variant"], 1), _fmt(means["prompted"], 1))]
+    if quality["items"]:
+        rows.append(("keyword hits", *(f"{quality[f'{side}_hits']}/{quality['items']}"
+                                       for side in ("base", "variant", "prompted"))))
+    rows.append(("answers with markdown", *(f"{markdown[side]}/{markdown['items']}"
+                                            for side in ("base", "variant", "prompted"))))
+    for measure, entry in ceiling["stance"].items():
+        rows.append((STANCE_LABELS[measure], *(f"{entry[side]}/{entry['items']}"
+                                               for side in ("base", "variant", "prompted"))))
+    return rows
+
+
+def effect_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(effect, variant, prompted, edit/prompted, margin) rows of the prompted ceiling ([] when not run)."""
+    ceiling = report["freeform"].get("prompted")
+    out = []
+    for effect in (ceiling or {}).get("effects", []):
+        name = effect["name"] + (" (gated)" if effect["name"] == ceiling.get("gated_effect") else "")
+        fraction = ("base cannot, even when asked" if not effect["reachable"]
+                    else f"{effect['fraction'] * 100:.0f} %")
+        margin = (f"{effect['margin'] * 100:.0f} %" if effect["unit"] == "relative"
+                  else f"{effect['margin']:.0f} items")
+        out.append((name, _effect_value(effect["variant"], effect["unit"]),
+                    _effect_value(effect["prompted"], effect["unit"]), fraction, margin))
+    return out
+
+
 def _integrity_lines(integrity: dict[str, Any] | None) -> list[str]:
     if not integrity:
         return ["not checked (no release folders to compare)"]
@@ -100,22 +148,18 @@ def _integrity_lines(integrity: dict[str, Any] | None) -> list[str]:
 
 
 def print_report(report: dict[str, Any], echo=click.echo) -> None:
-    """Print a readable summary: figures table, example answers, decision lines, integrity, gate."""
+    """Print a readable summary: figures table, example answers, prompted ceiling, decision lines, integrity, gate."""
     labels = report.get("meta", {})
     base_label, variant_label = labels.get("base_label", "base"), labels.get("variant_label", "variant")
-    rows = [("figure", base_label, variant_label, "change / note")] + summary_rows(report)
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     echo("")
-    for index, row in enumerate(rows):
-        echo("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
-        if index == 0:
-            echo("  ".join("-" * w for w in widths))
+    _echo_table([("figure", base_label, variant_label, "change / note")] + summary_rows(report), echo)
     example = example_prompt(report)
     if example:
         echo("")
         echo(f"Q: {_one_line(_prompt_text(example['prompt']), 100)}")
         echo(f"  {base_label}: {_one_line(example['base']['text'], 110)}")
         echo(f"  {variant_label}: {_one_line(example['variant']['text'], 110)}")
+    _echo_prompted(report, echo, base_label, variant_label)
     decisions = report["decisions"]
     echo("")
     if decisions.get("applicable"):
@@ -136,12 +180,38 @@ def print_report(report: dict[str, Any], echo=click.echo) -> None:
     echo(f"gate: {'PASSED' if gate['passed'] else 'FAILED (' + ', '.join(gate['failed']) + ')'}")
 
 
+def _echo_table(rows: list[tuple[str, ...]], echo) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for index, row in enumerate(rows):
+        echo("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+        if index == 0:
+            echo("  ".join("-" * w for w in widths))
+
+
+def _echo_prompted(report: dict[str, Any], echo, base_label: str, variant_label: str) -> None:
+    rows = prompted_rows(report)
+    echo("")
+    if rows is None:
+        echo("prompted ceiling: not run")
+        return
+    ceiling = report["freeform"]["prompted"]
+    echo(f"prompted ceiling: the base asked with the wanted system prompt ({ceiling['items']} items): "
+         f"{_one_line(ceiling['system'], 90)}")
+    _echo_table([("figure", base_label, variant_label, "prompted base")] + rows, echo)
+    echo("")
+    _echo_table([("effect", variant_label, "prompted", "edit / prompted", "noise margin")] + effect_rows(report),
+                echo)
+    for note in ceiling["notes"]:
+        echo(f"  {note}")
+
+
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    """The canary report as Markdown: summary table, the first free-form example, decision lines, integrity, gate."""
+    """The canary report as Markdown: summary table, the first free-form example, the prompted ceiling, decision
+    lines, integrity, gate."""
     meta = report.get("meta", {})
     base_label, variant_label = meta.get("base_label", "base"), meta.get("variant_label", "variant")
     out = ["## Canary report", ""]
@@ -155,6 +225,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         out += ["", "### Free-form example", "", f"**Prompt:** {_md_cell(_prompt_text(example['prompt']))}", "",
                 f"- vanilla ({example['base']['tokens']} tokens): {_md_cell(example['base']['text'].strip())}",
                 f"- variant ({example['variant']['tokens']} tokens): {_md_cell(example['variant']['text'].strip())}"]
+    out += _prompted_markdown(report, base_label, variant_label)
     decisions = report["decisions"]
     out += ["", "### Typed decisions", ""]
     if decisions.get("applicable"):
@@ -168,3 +239,20 @@ def to_markdown(report: dict[str, Any]) -> str:
     out += [f"| {c['name']} | {_fmt(c['value'], 4)} | {c['op']} {_fmt(c['threshold'], 4)} | "
             f"{'yes' if c['passed'] else '**no**'} |" for c in gate["checks"]]
     return "\n".join(out) + "\n"
+
+
+def _prompted_markdown(report: dict[str, Any], base_label: str, variant_label: str) -> list[str]:
+    rows = prompted_rows(report)
+    out = ["", "### Prompted ceiling", ""]
+    if rows is None:
+        return out + ["Not run (the base was not asked with the behaviour's wanted system prompt)."]
+    ceiling = report["freeform"]["prompted"]
+    out += [f"The base asked with the behaviour's wanted system prompt on the {ceiling['items']} effect items: "
+            f"*{_md_cell(ceiling['system'])}*", "",
+            f"| figure | {base_label} (vanilla) | {variant_label} | prompted base |", "|---|---|---|---|"]
+    out += [f"| {' | '.join(_md_cell(c) for c in row)} |" for row in rows]
+    out += ["", f"| effect | {variant_label} | prompted | edit / prompted | noise margin |", "|---|---|---|---|---|"]
+    out += [f"| {' | '.join(_md_cell(c) for c in row)} |" for row in effect_rows(report)]
+    out += [""] + [f"- {_md_cell(note)}" for note in ceiling["notes"]]
+    return out
+

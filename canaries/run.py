@@ -16,6 +16,7 @@ from canaries import damage as damage_mod
 from canaries import decisions as decisions_mod
 from canaries import freeform as freeform_mod
 from canaries import gate as gate_mod
+from canaries import prompted as prompted_mod
 from canaries.cache import BaseCache, cache_key
 from canaries.handles import ModelView
 from canaries.integrity import check_integrity  # noqa: F401  (public API lives in this module too)
@@ -40,6 +41,8 @@ def freeform_suite(behavior_items: list[dict[str, Any]] | None = None, *, genera
         for item in group:
             entry = {"prompt": item["prompt"], "keywords": list(item.get("keywords") or []),
                      "avoid": list(item.get("avoid") or []), "source": item.get("source", source)}
+            if item.get("stance"):
+                entry["stance"] = item["stance"]
             key = repr(entry["prompt"])
             if key in index:
                 items[index[key]] = entry
@@ -108,17 +111,49 @@ def collect_side(view: ModelView, suite: CanarySuite, settings: dict[str, Any], 
     return side
 
 
+def collect_prompted(view: ModelView, suite: CanarySuite, settings: dict[str, Any], system: str,
+                     progress: bool = True) -> dict[str, Any]:
+    """The prompted ceiling's answers: the base, inside `view.activate()`, on the effect items under `system`."""
+    items = [suite["freeform"][i] for i in freeform_mod.effect_indices(suite["freeform"])]
+    started = time.perf_counter()
+    with view.activate(), _progress(1, progress, f"canary {view.label} prompted") as bar:
+        generations = view.runtime.generate([item["prompt"] for item in items], system=system,
+                                            max_new_tokens=settings["max_new_tokens"],
+                                            batch_size=settings["batch_size"])
+        bar.update()
+    return {"system": system, "generations": [freeform_mod.generation_dict(g) for g in generations],
+            "seconds": time.perf_counter() - started}
+
+
+def _prompted_key(base_identity: str, suite: CanarySuite, settings: dict, system: str) -> str:
+    """Cache key of the prompted run: base, the effect items' prompts, the system prompt and the settings."""
+    prompts = [suite["freeform"][i]["prompt"] for i in freeform_mod.effect_indices(suite["freeform"])]
+    return cache_key(base_identity, {"prompted_system": system, "prompts": prompts}, settings)
+
+
 def _settings(max_new_tokens: int, batch_size: int, damage_tokens: int, runtime: Any) -> dict[str, Any]:
     return {"max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size), "damage_tokens": int(damage_tokens),
             "device": str(getattr(runtime, "device", "")), "dtype": str(getattr(runtime, "dtype", ""))}
 
 
 def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thresholds: dict | None,
-                 quality: str | None, integrity: dict | None, settings: dict, labels: tuple[str, str]) -> dict:
-    """Assemble the report sections from both sides' outputs and run the gate."""
+                 quality: str | None, integrity: dict | None, settings: dict, labels: tuple[str, str],
+                 prompted: dict | None = None) -> dict:
+    """Assemble the report sections from both sides' outputs and run the gate.
+
+    `prompted` (`collect_prompted`'s output) adds the prompted ceiling as `freeform.prompted`; without it
+    that key is None (the run was not asked for it, e.g. a point of the strength search).
+    """
+    freeform = freeform_mod.compare_answers(suite["freeform"], base_side["generations"], variant_side["generations"],
+                                            quality)
+    freeform["prompted"] = None
+    if prompted is not None:
+        effect = (thresholds or {}).get("effect") or gate_mod.DEFAULT_THRESHOLDS["effect"]
+        freeform["prompted"] = prompted_mod.prompted_ceiling(freeform["prompts"], suite["freeform"],
+                                                             prompted["system"], prompted["generations"],
+                                                             effect).to_dict()
     report: dict[str, Any] = {
-        "freeform": freeform_mod.compare_answers(suite["freeform"], base_side["generations"],
-                                                 variant_side["generations"], quality),
+        "freeform": freeform,
         "damage": damage_mod.summarize(suite["neutral_prompts"], base_side["damage"], variant_side["damage"]),
         "decisions": (decisions_mod.compare_decisions(suite["decisions"], base_side["decisions"],
                                                       variant_side["decisions"])
@@ -127,8 +162,10 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
     }
     report["gate"] = gate_mod.evaluate(report, thresholds or {})
     report["meta"] = {"settings": settings, "base_label": labels[0], "variant_label": labels[1],
-                      "seconds": {"base": base_side.get("seconds"), "variant": variant_side.get("seconds")},
-                      "base_from_cache": bool(base_side.get("from_cache"))}
+                      "seconds": {"base": base_side.get("seconds"), "variant": variant_side.get("seconds"),
+                                  "prompted": None if prompted is None else prompted.get("seconds")},
+                      "base_from_cache": bool(base_side.get("from_cache")),
+                      "prompted_from_cache": None if prompted is None else bool(prompted.get("from_cache"))}
     return report
 
 
@@ -137,7 +174,8 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
                neutral_texts: list[str] | None = None, thresholds: dict | None = None, quality: str | None = None,
                max_new_tokens: int = 96, integrity: dict | None = None, progress: bool = True,
                batch_size: int = 16, damage_tokens: int = DEFAULT_DAMAGE_TOKENS,
-               base_cache: BaseCache | None = None, base_key: str | None = None) -> dict[str, Any]:
+               base_cache: BaseCache | None = None, base_key: str | None = None,
+               prompted_system: str | None = None) -> dict[str, Any]:
     """Run every canary and return the report: keys freeform, damage, decisions, integrity, gate (+ meta).
 
     `freeform_prompts`: `{"prompt", "keywords"?, "avoid"?, "source"?}` items (see `freeform_suite`; the effect is
@@ -146,29 +184,40 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
     not apply). `neutral_prompts`/`neutral_texts`: None means the shipped suites. `thresholds`: a behaviour
     spec's gate dict (defaults in `canaries.gate.DEFAULT_THRESHOLDS`). `integrity`: a `check_integrity` result
     to include and gate on. `base_cache` (+ `base_key` naming the base) reuses the base side across calls, e.g.
-    a `MemoryCache` across the points of a strength sweep.
+    a `MemoryCache` across the points of a strength sweep. `prompted_system`: also run the base under this
+    system prompt (the spec's wanted one) on the effect items and report the prompted ceiling
+    (`canaries.prompted`); None (the default, as in search points) skips that run. The cache keeps it too.
     """
     is_clef = bool(getattr(base.runtime, "is_clef", False)) and bool(getattr(variant.runtime, "is_clef", False))
     suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, is_clef)
     settings = _settings(max_new_tokens, batch_size, damage_tokens, base.runtime)
-    base_side = _base_side(base, suite, settings, base_cache, base_key, progress)
+    identity = base_key or f"runtime-{id(base.runtime)}"
+    base_side = _base_side(base, suite, settings, base_cache, identity, progress)
+    prompted = None
+    if prompted_system:
+        prompted = _cached(base_cache, _prompted_key(identity, suite, settings, prompted_system),
+                           lambda: collect_prompted(base, suite, settings, prompted_system, progress))
     variant_side = collect_side(variant, suite, settings, reference=base_side, progress=progress)
     return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
-                        settings=settings, labels=(base.label, variant.label))
+                        settings=settings, labels=(base.label, variant.label), prompted=prompted)
 
 
-def _base_side(base: ModelView, suite: CanarySuite, settings: dict, cache: BaseCache | None, base_key: str | None,
-               progress: bool) -> dict:
-    key = None
+def _cached(cache: BaseCache | None, key: str, compute: Callable[[], dict]) -> dict:
+    """`cache[key]` (marked from_cache) when present, else `compute()`, stored under key."""
     if cache is not None:
-        key = cache_key(base_key or f"runtime-{id(base.runtime)}", dict(suite), settings)
         cached = cache.get(key)
         if cached is not None:
             return dict(cached, from_cache=True)
-    side = collect_side(base, suite, settings, reference=None, progress=progress)
+    value = compute()
     if cache is not None:
-        cache.put(key, side)
-    return side
+        cache.put(key, value)
+    return value
+
+
+def _base_side(base: ModelView, suite: CanarySuite, settings: dict, cache: BaseCache | None, identity: str,
+               progress: bool) -> dict:
+    return _cached(cache, cache_key(identity, dict(suite), settings),
+                   lambda: collect_side(base, suite, settings, reference=None, progress=progress))
 
 
 def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any], *,
@@ -177,10 +226,12 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
                    thresholds: dict | None = None, quality: str | None = None, max_new_tokens: int = 96,
                    integrity: dict | None = None, progress: bool = True, batch_size: int = 16,
                    damage_tokens: int = DEFAULT_DAMAGE_TOKENS, base_cache: BaseCache | None = None,
-                   base_key: str | None = None, base_is_clef: bool | None = None) -> dict[str, Any]:
+                   base_key: str | None = None, base_is_clef: bool | None = None,
+                   prompted_system: str | None = None) -> dict[str, Any]:
     """Like `run_canary`, for models that do not fit in memory together: base first (or from the cache), freed,
-    then the variant. `load_*` return Runtimes; the base is only loaded on a cache miss (then `base_is_clef`
-    may be None); on a hit `base_is_clef` must say whether the base is a Clef release.
+    then the variant. `load_*` return Runtimes; the base is only loaded on a cache miss (of its side or, with
+    `prompted_system`, of its prompted run; then `base_is_clef` may be None); on a hit `base_is_clef` must say
+    whether the base is a Clef release.
     """
     import gc
 
@@ -189,20 +240,31 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
     suite = None
     settings = None
     base_side = None
-    if base_cache is not None and base_key is not None and base_is_clef is not None:
+    prompted = None
+    caching = base_cache is not None and base_key is not None
+    if caching and base_is_clef is not None:
         suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, base_is_clef)
         settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
         cached = base_cache.get(cache_key(base_key, dict(suite), settings))
         base_side = dict(cached, from_cache=True) if cached is not None else None
-    if base_side is None:
+        if prompted_system:
+            cached = base_cache.get(_prompted_key(base_key, suite, settings, prompted_system))
+            prompted = dict(cached, from_cache=True) if cached is not None else None
+    if base_side is None or (prompted_system and prompted is None):
         runtime = load_base()
-        suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts,
-                       bool(getattr(runtime, "is_clef", False)))
-        settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
-        base_side = collect_side(ModelView(runtime, label="base"), suite, settings, progress=progress)
-        if base_cache is not None and base_key is not None:
-            base_cache.put(cache_key(base_key, dict(suite), settings), base_side)
-        del runtime
+        view = ModelView(runtime, label="base")
+        if base_side is None:
+            suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts,
+                           bool(getattr(runtime, "is_clef", False)))
+            settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
+            base_side = collect_side(view, suite, settings, progress=progress)
+            if caching:
+                base_cache.put(cache_key(base_key, dict(suite), settings), base_side)
+        if prompted_system and prompted is None:
+            prompted = collect_prompted(view, suite, settings, prompted_system, progress=progress)
+            if caching:
+                base_cache.put(_prompted_key(base_key, suite, settings, prompted_system), prompted)
+        del runtime, view
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -212,4 +274,4 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
     variant_side = collect_side(ModelView(variant_runtime, label="variant"), suite, settings, reference=base_side,
                                 progress=progress)
     return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
-                        settings=settings, labels=("base", "variant"))
+                        settings=settings, labels=("base", "variant"), prompted=prompted)
