@@ -25,12 +25,12 @@ import math
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from clef_model.errors import BlazeError, ReleaseError
+from clef_model.outputs import atomic_output  # noqa: F401 - re-exported: every writer's import point
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -592,48 +592,6 @@ class ShardedWriter:
             self.abort()
         elif not self._closed:
             self.close()
-
-
-@contextlib.contextmanager
-def atomic_output(dest: Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling folder `.<name>.tmp-<random>`; on success it replaces `dest` by renaming.
-
-    A non-empty `dest` is refused unless `force`. On any error the temporary folder is removed and `dest`
-    is left as it was; a full disk becomes a BlazeError saying so.
-    """
-    dest = Path(dest).absolute()
-    if dest.exists() and not dest.is_dir():
-        raise BlazeError(f"{dest} exists and is not a folder; choose another output path.")
-    if dest.is_dir() and any(dest.iterdir()) and not force:
-        raise BlazeError(f"{dest} is not empty; choose another output folder or pass --force to replace it.")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    os.chmod(tmp, 0o755)
-    try:
-        yield tmp
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.rename(dest, old / "d")
-            try:
-                os.rename(tmp, dest)
-            except OSError:
-                os.rename(old / "d", dest)  # put the previous folder back
-                shutil.rmtree(old, ignore_errors=True)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dest)
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise BlazeError(
-                f"no space left on the device while writing {dest}; nothing was written. "
-                "Free some disk space (or choose another --out) and run again."
-            ) from error
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def sha256_file(path: Path) -> str:

@@ -137,6 +137,9 @@ class PatchArrays:
             base, _, part = key.rpartition(".")
             if part not in ("U", "V") or not base:
                 raise BlazeError(f"{path}: unexpected tensor {key!r}; a patch holds only NAME.U and NAME.V.")
+            if base.endswith(".weight"):  # NAME.weight.U would be reported as NAME.weight.weight
+                raise BlazeError(f"{path}: tensor {key!r} names a matrix with its `.weight` suffix; a patch holds "
+                                 f"NAME.U and NAME.V for the base tensor NAME.weight (here {base[:-7]}.U).")
             if f"{base}.U" not in arrays or f"{base}.V" not in arrays:
                 raise BlazeError(f"{path}: {base!r} has only one of its two factors (U, V); the file is damaged.")
             factors[base] = (arrays[f"{base}.U"].astype(np.float32, copy=False),

@@ -227,8 +227,14 @@ def test_output_folder_rules(base, variant, tmp_path):
     with pytest.raises(BlazeError, match="not empty"):
         write_variant(base, patch, tmp_path / "busy", progress=False)
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
-    write_variant(base, patch, tmp_path / "busy", force=True, progress=False)
-    assert not (tmp_path / "busy" / "keep.txt").exists() and verify_manifest(tmp_path / "busy") == []
+    # --force replaces only blaze's own outputs: this folder keeps its file
+    with pytest.raises(BlazeError, match="not written by blaze"):
+        write_variant(base, patch, tmp_path / "busy", force=True, progress=False)
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+    shutil.copytree(out, tmp_path / "earlier")  # an earlier variant (it has a blaze_manifest.json)
+    (tmp_path / "earlier" / "stale.txt").write_text("old")
+    write_variant(base, patch, tmp_path / "earlier", force=True, progress=False)
+    assert not (tmp_path / "earlier" / "stale.txt").exists() and verify_manifest(tmp_path / "earlier") == []
     for bad in (base.path, base.path / "sub"):
         with pytest.raises(BlazeError, match="overlaps the base"):
             write_variant(base, patch, bad, force=True, progress=False)

@@ -172,8 +172,10 @@ def test_atomic_output_renames_on_success_and_cleans_up_on_error(tmp_path):
     with atomic_output(dest) as tmp:
         assert tmp.parent == tmp_path and tmp.name.startswith(".variant.tmp-")
         (tmp / "f").write_text("1")
+        (tmp / "blaze_manifest.json").write_text("{}")  # a variant: --force may replace it below
     assert (dest / "f").read_text() == "1"
     assert [p.name for p in tmp_path.iterdir()] == ["variant"]
+    assert sorted(p.name for p in dest.iterdir()) == ["blaze_manifest.json", "f"]  # the temporary marker is gone
 
     with pytest.raises(BlazeError, match="not empty"):
         with atomic_output(dest):
@@ -186,7 +188,7 @@ def test_atomic_output_renames_on_success_and_cleans_up_on_error(tmp_path):
 
     with pytest.raises(BlazeError, match="no space left"):
         with atomic_output(tmp_path / "other"):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "other" / "x"))
     assert [p.name for p in tmp_path.iterdir()] == ["variant"]
 
     with atomic_output(dest, force=True) as tmp:
@@ -203,3 +205,66 @@ def test_atomic_output_renames_on_success_and_cleans_up_on_error(tmp_path):
 def test_sha256_file(tmp_path):
     (tmp_path / "x").write_bytes(b"blaze" * 1000)
     assert sha256_file(tmp_path / "x") == hashlib.sha256(b"blaze" * 1000).hexdigest()
+
+
+def test_force_replaces_only_what_blaze_wrote(tmp_path):
+    """--force over a folder blaze did not write is refused and the folder keeps its files."""
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "holiday.jpg").write_bytes(b"precious")
+    with pytest.raises(BlazeError, match="not written by blaze"):
+        with atomic_output(foreign, force=True) as tmp:
+            (tmp / "x").write_text("1")
+    assert [p.name for p in foreign.iterdir()] == ["holiday.jpg"]
+    assert (foreign / "holiday.jpg").read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]
+
+
+def test_unwritable_output_is_refused_before_work(tmp_path, monkeypatch):
+    from clef_model import outputs
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: simulate a read-only filesystem instead
+            def read_only(*args, **kwargs):
+                raise OSError(errno.EROFS, "Read-only file system")
+
+            monkeypatch.setattr(outputs.tempfile, "mkdtemp", read_only)
+        with pytest.raises(BlazeError, match="cannot write"):
+            outputs.check_output(locked / "variant")
+    finally:
+        os.chmod(locked, 0o755)
+
+
+def test_stale_temporary_folders_of_dead_processes_are_removed(tmp_path):
+    """A temporary folder whose owner died (kill -9) is removed by the next write into the same parent; one
+    whose owner lives, and hidden folders that are not blaze's, are kept."""
+    import json
+    import subprocess
+    import sys
+
+    from clef_model.outputs import MARKER, _start_token
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / ".variant.tmp-abc123"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    import socket
+
+    (stale / MARKER).write_text(json.dumps({"pid": dead_pid, "start": "1", "host": socket.gethostname()}))
+    alive = tmp_path / ".other.tmp-def456"
+    alive.mkdir()
+    (alive / MARKER).write_text(json.dumps({"pid": os.getpid(), "start": _start_token(os.getpid()),
+                                            "host": socket.gethostname()}))
+    reused = tmp_path / ".reused.tmp-ghi789"  # the PID lives, but it is another process (start time differs)
+    reused.mkdir()
+    (reused / MARKER).write_text(json.dumps({"pid": os.getpid(), "start": "-1", "host": socket.gethostname()}))
+    foreign = tmp_path / ".cache.tmp-keep"
+    foreign.mkdir()
+    with atomic_output(tmp_path / "variant") as tmp:
+        (tmp / "f").write_text("1")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".cache.tmp-keep", ".other.tmp-def456", "variant"]

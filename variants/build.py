@@ -233,8 +233,9 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
 
     started = time.perf_counter()
     out = Path(opts.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.force:
-        raise BlazeError(f"{out} exists and is not empty: choose another --out or pass --force")
+    from clef_model.outputs import check_output
+
+    check_output(out, opts.force)  # before minutes of compute: not empty, blaze's own (--force), writable
     spec = load_behavior(opts.behavior)
     s = _settings(spec, opts)
     echo(f"behaviour {spec.name} v{spec.version}: {spec.description}")

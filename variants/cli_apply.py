@@ -1,5 +1,7 @@
 """`blaze apply`: re-apply a saved patch to a base by streaming — no GPU, no model run, no torch.
 
+The command only parses options and prints; the work is `surgery.apply.apply_patch`.
+
 Everything `apply` imports is torch-free (numpy + ml_dtypes: `surgery.delta`, `surgery.write`), which
 keeps its peak memory far below the ≈ 700 MiB `import torch` costs; only `--export-lora` loads torch.
 """
@@ -12,8 +14,6 @@ import time
 from pathlib import Path
 
 import click
-
-from clef_model.errors import BlazeError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -77,68 +77,18 @@ def register(group: click.Group) -> None:
         # 1.4 % of apply's CPU samples); apply's few BLAS calls are small. Only effective before numpy loads.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-        from clef_model.checkpoint import sha256_file
-        from clef_model.release import DEFAULT_BASE, resolve_release
-        from surgery.delta import BaseMismatchError, PatchArrays, check_identity, patch_path, trusted_tensor_sha256
-        from surgery.manifest import read_manifest
-        from surgery.write import write_variant
+        from surgery.apply import apply_patch
 
         started = time.perf_counter()
-        patch_file = patch_path(patch)
-        loaded = PatchArrays.load(patch_file)
-        recorded = loaded.base_identity or {}
-        ref = base or recorded.get("ref") or DEFAULT_BASE
-        release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
-        expected: dict[str, str] = {}
-        trusted: dict[str, str] = {}
-        if not recorded:
-            click.echo("warning: the patch records no base identity; it cannot be checked against "
-                       f"{release.ref}. Applying anyway.", err=True)
-        else:
-            # the index now; the edited tensors' hashes as they stream by (read once, not twice)
-            problems, _ = check_identity(loaded, release, tensors=False)
-            if problems and not force:
-                raise BlazeError(
-                    f"{release.ref} is not the base this patch was made from ({'; '.join(problems[:3])}). "
-                    "Pass the right --base, or --force to apply anyway."
-                )
-            if problems:
-                click.echo(f"warning: applying to a different base than recorded ({'; '.join(problems[:3])}).",
-                           err=True)
-            # tensors in a shard whose known hash equals the recorded one need no hashing at all
-            trusted = {} if problems else trusted_tensor_sha256(loaded, release)
-            if not force:
-                expected = {n: d for n, d in recorded.get("tensor_sha256", {}).items() if n not in trusted}
-        extra = {"command": "apply", "patch_sha256": sha256_file(patch_file), **{
-            k: v for k, v in loaded.metadata.items() if k in ("behavior", "behavior_spec_sha256", "method")}}
-        try:
-            write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_size, manifest_extra=extra,
-                          known_tensor_sha256=trusted, expect_tensor_sha256=expected)
-        except BaseMismatchError as error:
-            raise BlazeError(f"{release.ref} is not the base this patch was made from ({error}). "
-                             "Pass the right --base, or --force to apply anyway.") from error
-        if force and recorded:
-            found = read_manifest(out)["base"]["tensor_sha256"]
-            differ = [n for n, digest in recorded.get("tensor_sha256", {}).items()
-                      if n in found and found[n] != digest]
-            if differ:
-                click.echo(f"warning: applied to a different base than recorded ({len(differ)} edited tensors have "
-                           f"different values, e.g. {differ[0]}.weight).", err=True)
+        result = apply_patch(patch, out, base=base, revision=revision, force=force, max_shard_bytes=max_shard_size,
+                             warn=lambda message: click.echo(f"warning: {message}", err=True))
         if export_lora is not None:
             from surgery.lora import export_lora as write_lora  # imports torch (PEFT); only for this option
             from surgery.patch import Patch
 
-            write_lora(Patch.from_arrays(loaded), release, export_lora, force=force)
-
-        manifest = read_manifest(out)
-        matrices = manifest["matrices"]
-        ranks = sorted({m["numerical_rank"] for m in matrices.values()})
-        changes = [m["relative_change"] for m in matrices.values() if m["relative_change"] is not None]
-        shards = sum(1 for name in manifest["output"]["files"] if name.endswith(".safetensors")
-                     and name.startswith("model"))
-        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-        click.echo(f"wrote {out}: {len(matrices)} matrices edited (rank {', '.join(map(str, ranks)) or '-'}, "
-                   f"‖ΔW‖/‖W‖ up to {max(changes, default=0.0):.4f}), {shards} shards, {_human(size)}, "
-                   f"{time.perf_counter() - started:.1f} s")
+            write_lora(Patch.from_arrays(result.patch), result.release, export_lora, force=force)
+        click.echo(f"wrote {out}: {result.matrices} matrices edited (rank {', '.join(map(str, result.ranks)) or '-'}, "
+                   f"‖ΔW‖/‖W‖ up to {result.max_relative_change:.4f}), {result.shards} shards, "
+                   f"{_human(result.total_bytes)}, {time.perf_counter() - started:.1f} s")
         if export_lora is not None:
             click.echo(f"wrote LoRA adapter {export_lora}")
