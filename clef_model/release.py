@@ -45,6 +45,7 @@ _ARCHITECTURES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
 }
 
 
@@ -56,7 +57,7 @@ class Release:
     ref: str
     revision: str | None
     kind: str  # "clef" (joint head + release code) or "causal_lm"
-    architecture: str  # "qwen3_5", "qwen3_5_text", "llama", "qwen2", "qwen3"
+    architecture: str  # "qwen3_5", "qwen3_5_text", "llama", "qwen2", "qwen3", "gemma3"
 
     def config(self) -> dict:
         """The parsed config.json."""
@@ -72,16 +73,35 @@ class Release:
         return CheckpointReader(self.path).weight_map()
 
     def side_files(self) -> list[str]:
-        """Every non-weight file of the release, as sorted relative names (hidden files excluded)."""
+        """Every non-weight file of the release, as sorted relative names, junk excluded (`is_junk`)."""
         weights = set(self.weight_map().values()) | {INDEX_NAME}
         files = []
         for path in sorted(self.path.rglob("*")):
             relative = path.relative_to(self.path)
-            if not path.is_file() or any(part.startswith(".") for part in relative.parts):
+            if not path.is_file() or is_junk(relative.as_posix()):
                 continue
             if str(relative) not in weights:
                 files.append(str(relative))
         return files
+
+
+# Files that are never part of a release, so never copied into a variant, listed in a manifest or uploaded:
+# hidden files and folders (.DS_Store, .git, .cache, editor swap files such as .x.swp), Python bytecode
+# (__pycache__/, *.pyc, *.pyo: the release code is run from its checked source only), editor backups
+# (x~, #x#, *.bak, *.orig, *.rej, *.swp, *.tmp) and desktop metadata (Thumbs.db, desktop.ini). A denylist,
+# not an allowlist: releases legitimately carry files blaze does not know (a README, extra configs).
+_JUNK_DIRS = {"__pycache__"}
+_JUNK_NAMES = {"thumbs.db", "desktop.ini"}
+_JUNK_SUFFIXES = (".pyc", ".pyo", ".bak", ".orig", ".rej", ".swp", ".swo", ".tmp", "~")
+
+
+def is_junk(relative: str) -> bool:
+    """Whether a file (POSIX path relative to the release folder) is junk rather than part of the release."""
+    parts = relative.split("/")
+    name = parts[-1]
+    return (any(part.startswith(".") or part in _JUNK_DIRS for part in parts)
+            or name.lower() in _JUNK_NAMES or name.lower().endswith(_JUNK_SUFFIXES)
+            or (name.startswith("#") and name.endswith("#")))
 
 
 def _read_json(path: Path) -> dict:
@@ -103,12 +123,13 @@ def detect_architecture(config: dict) -> str:
         ("Llama", "llama"),
         ("Qwen2", "qwen2"),
         ("Qwen3", "qwen3"),
+        ("Gemma3ForCausalLM", "gemma3"),
     ):
         if prefix in architectures:
             return name
     raise ReleaseError(
         f"unsupported model (model_type {model_type!r}, architectures {architectures or 'none'}); blaze runs "
-        "Clef/Qwen3.5 releases and Llama, Qwen2, Qwen3 and Qwen3.5 causal LMs."
+        "Clef/Qwen3.5 releases and Llama, Qwen2, Qwen3, Qwen3.5 and Gemma 3 (text) causal LMs."
     )
 
 
@@ -208,10 +229,10 @@ def _download(repo_id: str, revision: str | None) -> tuple[Path, str | None]:
 def resolve_release(ref: str | Path, revision: str | None = None) -> Release:
     """Turn a folder, `smollm2`, or a Hub id (+ revision) into a validated local Release."""
     text = str(ref)
-    if text == EMBEDDED_NAME:
-        from clef_model.embedded import embedded_release_path
+    from clef_model.embedded import embedded_aliases, embedded_release_path
 
-        path = embedded_release_path()
+    if text in embedded_aliases():
+        path = embedded_release_path(text)
         resolved_revision = None
     elif Path(text).expanduser().is_dir():
         path = Path(text).expanduser().resolve()
@@ -220,7 +241,8 @@ def resolve_release(ref: str | Path, revision: str | None = None) -> Release:
         path, resolved_revision = _download(text, revision)
     else:
         raise ReleaseError(
-            f"{text!r} is neither a folder nor a Hub id (owner/name) nor `{EMBEDDED_NAME}`; "
+            f"{text!r} is neither a folder nor a Hub id (owner/name) nor an embedded model "
+            f"({', '.join(embedded_aliases())}); "
             "pass a local release folder or a Hub id such as Cloudflare/clef-flash."
         )
     kind, architecture = validate_layout(path)

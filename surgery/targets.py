@@ -39,6 +39,7 @@ LAYER_PREFIX: dict[str, str] = {
     "llama": "model.layers",
     "qwen2": "model.layers",
     "qwen3": "model.layers",
+    "gemma3": "model.layers",
 }
 #: Architectures whose layers mix Gated DeltaNet linear attention and full attention.
 HYBRID_ATTENTION = {"qwen3_5", "qwen3_5_text"}
