@@ -285,7 +285,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                             ModelView(runtime, label="base"),
                             freeform_prompts=freeform_suite(spec.heldout_items(), general=True),
                             thresholds=spec.gate.to_dict(), quality=spec.quality,
-                            max_new_tokens=s["max_new_tokens"], progress=opts.progress, batch_size=opts.batch_size)
+                            max_new_tokens=s["max_new_tokens"], progress=opts.progress, batch_size=opts.batch_size,
+                            prompted_system=spec.wanted_system_prompt())  # the prompted ceiling: final canary only
         def extra_files(folder: Path) -> dict[str, bytes]:
             """Integrity of the written (not yet renamed) folder against the base, then the final gate."""
             from canaries.gate import evaluate

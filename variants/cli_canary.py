@@ -78,8 +78,10 @@ def _json_default(value: Any) -> Any:
 def run_command(variant_ref: str, against: str | None, behavior: str | None, suite: tuple[Path, ...],
                 json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
                 trust_release_code: bool, batch_size: int, mode: str, integrity: bool,
-                overrides: dict[str, Any], damage_tokens: int = 32) -> dict[str, Any]:
-    """Resolve both releases, check integrity, run the canaries and write the reports; returns the report."""
+                overrides: dict[str, Any], damage_tokens: int = 32, prompted: bool = True) -> dict[str, Any]:
+    """Resolve both releases, check integrity, run the canaries and write the reports; returns the report.
+
+    `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling)."""
     import torch
 
     from canaries.cache import DiskCache, release_fingerprint
@@ -124,7 +126,8 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
         integrity_result = check_integrity(variant_release, base_release, progress=True, device=device)
     common = dict(freeform_prompts=freeform, decision_requests=decision_requests, thresholds=thresholds,
                   quality=quality, max_new_tokens=max_new_tokens, integrity=integrity_result, progress=True,
-                  batch_size=batch_size, damage_tokens=damage_tokens)
+                  batch_size=batch_size, damage_tokens=damage_tokens,
+                  prompted_system=spec.wanted_system_prompt() if spec and prompted else None)
 
     def load(release, label):
         click.echo(f"loading {label} {release.ref} on {device} …", err=True)
@@ -179,10 +182,12 @@ def register(group: click.Group) -> None:
                   help="Both models in memory at once, or one after the other with the base's outputs cached "
                        "($BLAZE_CACHE/canary). auto: together when both fit.")
     @click.option("--no-integrity", is_flag=True, help="Skip the integrity check (e.g. a variant that is not a folder).")
+    @click.option("--no-prompted", is_flag=True,
+                  help="Skip the prompted ceiling (the base asked with the behaviour's wanted system prompt).")
     @click.option("--trust-release-code", is_flag=True,
                   help="Run release code whose SHA-256 is not on blaze's allowlist.")
     def canary(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, damage_tokens, batch_size,
-               device, mode, no_integrity, trust_release_code, **overrides):
+               device, mode, no_integrity, no_prompted, trust_release_code, **overrides):
         """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
 
         \b
@@ -192,7 +197,7 @@ def register(group: click.Group) -> None:
         """
         report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
                              trust_release_code, batch_size, mode, not no_integrity, overrides,
-                             damage_tokens=damage_tokens)
+                             damage_tokens=damage_tokens, prompted=not no_prompted)
         sys.exit(0 if report["gate"]["passed"] else 1)
 
     for flag, name, kind, text in reversed(THRESHOLD_OPTIONS):
