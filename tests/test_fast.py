@@ -298,3 +298,24 @@ def test_compiled_backbone_only_on_request(tiny_runtime, monkeypatch):
     worst = max(abs(fast[q][o] - reference[q][o]) for q in reference for o in reference[q])
     assert worst <= 1e-3  # with the pass-through, the same forward as the exact path
     tiny_runtime.__dict__.pop("_fast_backbone", None)
+
+
+def test_text_decoder_is_one_lookup_also_through_a_peft_wrapper(release):
+    """clef_model.backbone.text_decoder finds the decoder stack; the fast path's text_parts uses it."""
+    from clef_model.backbone import text_decoder
+    from clef_model.fast import text_parts
+
+    backbone = release[2].language_model
+    stack = backbone.model.language_model
+
+    class Wrapped(torch.nn.Module):  # the shape of a PEFT model: the real model behind get_base_model()
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.inner
+
+    assert text_decoder(backbone) is stack
+    assert text_decoder(Wrapped(backbone)) is stack
+    assert text_parts(Wrapped(backbone)) == (stack, backbone.get_output_embeddings())
