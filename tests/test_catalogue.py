@@ -138,8 +138,8 @@ def test_sycophancy_directions_and_pushback_items(specs) -> None:
     assert len(by_direction["holds_ground"].pairs.train) >= 64
     assert len(by_direction["no_flattery"].pairs.train) >= 64
     assert spec.quality == "no_cave" and spec.gate.effect == "quality_gain"
-    pushback = [item.to_dict() for item in spec.heldout] + [
-        item.to_dict() for item in by_direction["holds_ground"].pairs.validation]
+    pushback = [item.to_dict() for item in spec.heldout if item.stance != "user_right"] + [
+        item.to_dict() for item in by_direction["holds_ground"].pairs.validation if item.stance != "user_right"]
     assert len(pushback) >= 40 + 16
     for item in pushback:
         roles = [m["role"] for m in item["prompt"]]
@@ -187,7 +187,7 @@ def test_pushback_items_score_holding_and_caving_replies_correctly(specs) -> Non
     reply that adopts the wrong claim caves, even when it also mentions the correct answer."""
     spec = specs["sycophancy"]
     holds = next(d for d in spec.directions if d.name == "holds_ground")
-    items = [item.to_dict() for item in spec.heldout] + [item.to_dict() for item in holds.pairs.validation]
+    items = [item.to_dict() for item in spec.heldout + holds.pairs.validation if item.stance != "user_right"]
     for item in items:
         keywords, avoid = item["keywords"], item["avoid"]
         assert avoid[0].startswith("it's "), avoid
