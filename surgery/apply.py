@@ -116,19 +116,19 @@ def apply_patch(patch: Path, out: Path, *, base: str | None = None, revision: st
                          "Pass the right --base, or --force to apply anyway.") from error
     manifest = read_manifest(out)
     if force and recorded:
-        found = manifest["base"]["tensor_sha256"]
+        found = manifest.base.tensor_sha256
         differ = [n for n, digest in recorded.get("tensor_sha256", {}).items() if n in found and found[n] != digest]
         if differ:
             warning(f"applied to a different base than recorded ({len(differ)} edited tensors have different "
                     f"values, e.g. {differ[0]}.weight).")
-    matrices = manifest["matrices"]
-    changes = [m["relative_change"] for m in matrices.values()
-               if m["relative_change"] is not None and math.isfinite(m["relative_change"])]
+    matrices = manifest.matrices
+    changes = [m.relative_change for m in matrices.values()
+               if m.relative_change is not None and math.isfinite(m.relative_change)]
     return ApplyResult(
         out=Path(out), release=release, patch=loaded, patch_file=patch_file, matrices=len(matrices),
-        ranks=sorted({m["numerical_rank"] for m in matrices.values()}),
+        ranks=sorted({m.numerical_rank for m in matrices.values() if m.numerical_rank is not None}),
         max_relative_change=max(changes, default=0.0),
-        shards=sum(1 for name in manifest["output"]["files"]
+        shards=sum(1 for name in manifest.output.files
                    if name.endswith(".safetensors") and name.startswith("model")),
         total_bytes=sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file()),
         warnings=warnings,

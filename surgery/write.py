@@ -604,8 +604,8 @@ def write_variant(
             matrices=matrices,
             output_files=out_hashes,
             output_total_size=index["metadata"]["total_size"],
+            edited_tensors=[f"{name}.weight" for name in patch.names()],
         )
-        manifest["edited_tensors"] = [f"{name}.weight" for name in patch.names()]
         write_manifest(tmp / MANIFEST_FILE, manifest)
         for path in tmp.rglob("*"):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)

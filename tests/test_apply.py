@@ -112,7 +112,7 @@ def test_edited_tensors_carry_the_low_rank_delta(base, variant):
 
 def test_manifest_records_inputs_outputs_and_matrices(base, variant):
     out, patch = variant
-    manifest = read_manifest(out)
+    manifest = read_manifest(out).to_dict()
     assert verify_manifest(out) == []
     assert manifest["edit"] == {"behavior_spec_sha256": "abc", "alpha": 0.05}
     assert manifest["patch"]["metadata"] == patch.metadata
@@ -428,14 +428,14 @@ def test_hash_cache_spares_rehashing_the_inputs(base, variant, tmp_path, monkeyp
     for name in local.side_files():
         assert filehash.known_sha256(local.path / name) == sha256_file(local.path / name)
     cached = json.loads(filehash.cache_path().read_text())["files"]
-    assert all(str((first / name).resolve()) in cached for name in read_manifest(first)["output"]["files"])
+    assert all(str((first / name).resolve()) in cached for name in read_manifest(first).output.files)
 
     second_spy = _HashSpy(monkeypatch)
     second = write_variant(local, patch, tmp_path / "two", progress=False)
     # shards with edits only (and the edited tensors): the others are copies of inputs whose hash is known
     assert second_spy.streams == len(touched) + edited
     assert first_spy.files and not [p for p in second_spy.files if p.is_relative_to(local.path)]
-    assert read_manifest(second)["base"]["files"] == read_manifest(first)["base"]["files"] == _hashes(local.path)
+    assert read_manifest(second).base.files == read_manifest(first).base.files == _hashes(local.path)
     assert _hashes(second) == _hashes(first)
 
     monkeypatch.setenv("BLAZE_HASH_CACHE", "0")  # switched off: everything is hashed again
@@ -480,7 +480,7 @@ def test_hub_cache_blob_names_are_used_as_hashes(base, variant, tmp_path, monkey
     # of the inputs, only the small (git SHA-1 named) index is hashed; side files are hashed from their copies
     assert [p for p in spy.files if p.resolve().is_relative_to(repo)] == [snapshot / INDEX_NAME]
     assert lfs and not [p for p in spy.files if p.name in lfs]
-    assert read_manifest(out)["base"]["files"] == _hashes(base.path)
+    assert read_manifest(out).base.files == _hashes(base.path)
     assert verify_manifest(out) == []
 
 
@@ -532,7 +532,7 @@ def test_apply_trusts_recorded_shard_hashes_of_a_hub_base(base, tmp_path, monkey
     result = runner.invoke(main, ["apply", str(patch_file), "--base", str(snapshot), "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
     assert spy.streams == len(touched)  # the output shards with edits only: no edited tensor was hashed
-    assert read_manifest(tmp_path / "a")["base"]["tensor_sha256"] == patch.base_identity["tensor_sha256"]
+    assert read_manifest(tmp_path / "a").base.tensor_sha256 == patch.base_identity["tensor_sha256"]
     assert verify_manifest(tmp_path / "a") == []
 
     other, _ = _hub_snapshot(base.path, tmp_path / "hub2" / "models--org--tiny")

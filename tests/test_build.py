@@ -60,7 +60,7 @@ def test_variant_is_drop_in_and_only_targets_change(built, tiny_release):
     out = built[0]
     base, variant = CheckpointReader(tiny_release), CheckpointReader(out)
     assert (out / "joint_head.safetensors").read_bytes() == (tiny_release / "joint_head.safetensors").read_bytes()
-    manifest = read_manifest(out)
+    manifest = read_manifest(out).to_dict()
     edited = set(manifest["edited_tensors"])
     assert len(edited) == 6 and all(".layers.2." in n or ".layers.3." in n or ".layers.4." in n for n in edited)
     assert set(base.names()) == set(variant.names())
@@ -102,8 +102,8 @@ def test_apply_of_the_edit_patch_reproduces_its_shards(built, tiny_release, tmp_
                                        "--out", str(tmp_path / "applied")])
     assert result.exit_code == 0, result.output
     applied = tmp_path / "applied"
-    edited = set(read_manifest(out)["output"]["files"])
-    assert set(read_manifest(applied)["output"]["files"]) == edited - {"blaze_canary.json", "blaze_canary.md"}
+    edited = set(read_manifest(out).output.files)
+    assert set(read_manifest(applied).output.files) == edited - {"blaze_canary.json", "blaze_canary.md"}
     for name in sorted(out.glob("*.safetensors")):
         assert (applied / name.name).read_bytes() == name.read_bytes(), name.name
     for name in sorted(edited - {"blaze_canary.json", "blaze_canary.md"}):
@@ -183,7 +183,7 @@ def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
                                         cache_dir=tmp_path / "cache", progress=False), echo=lambda _m: None)
     assert result.sweep and result.strength in (0.05, 0.1)
     manifest = read_manifest(out)
-    assert manifest["edit"]["strength_mode"] == "auto" and len(manifest["edit"]["sweep"]) >= 1
+    assert manifest.edit.strength_mode == "auto" and len(manifest.edit.sweep) >= 1
     report = json.loads((out / build_mod.CANARY_JSON).read_text())
     assert "gate" in report and (out / build_mod.CANARY_MD).is_file()
     # integrity is checked on the written folder before it is finalised, and is part of the gate
