@@ -2,7 +2,9 @@
 
 - `MemoryCache`: a dict, for strength sweeps that call `run_canary` many times against one base.
 - `DiskCache`: one `torch.save` file per key under `$BLAZE_CACHE/canary/` (default `~/.cache/blaze/canary/`),
-  for running base and variant one after the other when both do not fit in memory.
+  for running base and variant one after the other when both do not fit in memory. Read back with
+  `torch.load(weights_only=True)`, so a cache file is data, never code: a file that needs anything but plain
+  containers, numbers, strings and tensors is ignored and recomputed.
 
 Keys hash the base's identity, the suite contents and the settings (`cache_key`). The base's identity for the
 disk cache is `release_fingerprint`: SHA-256 of every weight shard and side file, itself memoised per
@@ -107,9 +109,12 @@ class DiskCache:
         if not path.is_file():
             return None
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception:  # a damaged cache file is recomputed, never trusted
+            # weights_only: plain containers, numbers, strings and tensors only; a pickle that would run code
+            # when loaded (a planted or foreign file) raises instead, and is recomputed
+            value = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # a damaged or unsafe cache file is recomputed, never trusted
             return None
+        return value if isinstance(value, dict) else None
 
     def put(self, key: str, value: dict) -> None:  # noqa: D102
         self.folder.mkdir(parents=True, exist_ok=True)

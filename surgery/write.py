@@ -46,6 +46,7 @@ from clef_model.checkpoint import (
 )
 from clef_model.errors import BlazeError
 from clef_model.filehash import known_sha256, record_sha256
+from clef_model.release import is_junk
 from surgery.delta import PATCH_FILE, BaseMismatchError, PatchArrays, RowBlockUpdate, as_arrays
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
 
@@ -186,14 +187,15 @@ class _HashingWriter(ShardedWriter):
 
 
 def _side_files(base, reader: CheckpointReader) -> list[str]:
-    """Every non-weight file of the base (relative POSIX names), minus a previous variant's blaze files."""
+    """Every non-weight file of the base (relative POSIX names), minus junk (`clef_model.release.is_junk`:
+    hidden files, `__pycache__`, editor backups) and a previous variant's blaze files."""
     weights = {p.name for p in reader.shard_files()} | {INDEX_NAME}
     if hasattr(base, "side_files"):
         names = list(base.side_files())
     else:
         root = Path(base.path)
         names = [p.relative_to(root).as_posix() for p in root.rglob("*")
-                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+                 if p.is_file() and not is_junk(p.relative_to(root).as_posix())]
     return sorted(n for n in names if n not in weights and n not in _BLAZE_FILES)
 
 
