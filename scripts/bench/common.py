@@ -168,7 +168,7 @@ def timed_runtime_load(sink: dict[str, float]) -> Iterator[None]:
     except ImportError:
         yield
         return
-    original = Runtime.load.__func__
+    original = Runtime.load.__func__  # type: ignore[attr-defined]
 
     def load(cls: Any, *a: Any, **k: Any) -> Any:
         start = time.perf_counter()

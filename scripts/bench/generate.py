@@ -8,6 +8,7 @@ product path, ``Runtime.generate`` with its hooks off and on.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ def _stock(bench: Bench, loaded: Loaded, prompts: list[list[int]]) -> tuple[dict
         rows = [prompts[i % len(prompts)] for i in range(batch)]
         times = []
         for _ in range(2 if batch == 1 else 1):
-            result, dt = timed(lambda rows=rows: stock_generate(bench, loaded, rows, n))
+            result, dt = timed(partial(stock_generate, bench, loaded, rows, n))
             times.append(dt)
         stock_rows[batch] = result
         stock[str(batch)] = {"seconds": round(min(times), 3), "tokens_per_s": round(batch * n / min(times), 1)}
@@ -106,14 +107,15 @@ def _fast(bench: Bench, loaded: Loaded, prompts: list[list[int]], stock_rows: di
     out["fast_uses_fla"] = decoder.engine.uses_fla
     for batch in (1, *bench.options.gen_batches, *bench.options.fast_extra_batches):
         rows = [prompts[i % len(prompts)] for i in range(batch)]
-        _, first = timed(lambda rows=rows: decoder.generate(rows, n))  # includes graph capture for this batch size
-        times, result = [], None
+        _, first = timed(partial(decoder.generate, rows, n))  # includes graph capture for this batch size
+        times: list[float] = []
+        result: list[list[int]] = []
         for _ in range(3):
-            result, dt = timed(lambda rows=rows: decoder.generate(rows, n))
+            result, dt = timed(partial(decoder.generate, rows, n))
             times.append(dt)
-        _, pre = timed(lambda rows=rows: decoder.generate(rows, 1))  # 1 new token: prefill + overhead
+        _, pre = timed(partial(decoder.generate, rows, 1))  # 1 new token: prefill + overhead
         best = min(times)
-        entry = {"seconds": round(best, 3), "tokens_per_s": round(batch * n / best, 1),
+        entry: dict[str, Any] = {"seconds": round(best, 3), "tokens_per_s": round(batch * n / best, 1),
                  "first_call_s": round(first, 2), "prefill_s": round(pre, 4),
                  "decode_ms_per_step": round((best - pre) / max(n - 1, 1) * 1000, 3)}
         if batch in stock_rows:

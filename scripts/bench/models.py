@@ -18,8 +18,8 @@ from scripts.bench.common import Bench, timed
 class Loaded:
     """What the SystemOne/generate sections need: backbone, head, tokenizer, release code, reference fn."""
 
-    backbone: torch.nn.Module
-    head: torch.nn.Module
+    backbone: Any  # a transformers model (Qwen3_5ForConditionalGeneration or a causal LM)
+    head: Any  # the release's JointSchemaHead
     tokenizer: Any
     code: Any  # the release's joint_schema_model module
     reference: Callable[[dict], dict]  # the stock SystemOne answer for a request
@@ -69,7 +69,7 @@ def load_random9b(bench: Bench) -> Loaded:
     tiny = tiny_folder(bench.options.workdir)
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in fixtures.SPECIAL_TOKENS}
-    config, head_config = fixtures._configs("9b", None, ids)  # the fixture builder's own 9b shapes
+    config, head_config = fixtures._configs("9b", None, ids)  # type: ignore[arg-type]  # the builder's 9b shapes
     config["vision_config"].update(depth=1)  # the text path never runs the vision tower
     code = import_release_code_file(tiny / "joint_schema_model.py")
     torch.manual_seed(0)

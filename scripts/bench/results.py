@@ -48,9 +48,10 @@ class Results:
         """``results.md``: the headline tables, then the other sections' records as JSON."""
         lines = ["# GPU benchmark results", ""]
         env = self.env or {}
-        lines += [f"Machine: {env.get('gpu', '?')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
-                  f"fla {env.get('fla')}; {env.get('date_utc')}; ceilings {env.get('bf16_matmul_tflops')} TFLOP/s "
-                  f"bf16, {env.get('copy_tb_s')} TB/s copy.", ""]
+        machine = (f"Machine: {env.get('gpu', '?')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+                   f"fla {env.get('fla')}; {env.get('date_utc')}; ceilings {env.get('bf16_matmul_tflops')} TFLOP/s "
+                   f"bf16, {env.get('copy_tb_s')} TB/s copy.")
+        lines += [machine, ""]
         if self.systemone is not None:
             lines += _systemone_markdown(self.systemone)
         if self.generate is not None:
@@ -70,8 +71,8 @@ def _systemone_markdown(s: Record) -> list[str]:
             lines.append(f"| {key} | {s[key]['median_ms']} | {s[key]['p95_ms']} | {s[key]['n']} |")
     return lines + [
         "", f"split: stock {json.dumps(s.get('stock_split'))}; fast {json.dumps(s.get('fast_split'))}",
-        f"agreement max |Δp| {s.get('agreement_max_abs_diff')} over {s.get('agreement_requests')} requests; "
-        f"kernels {json.dumps(s.get('kernels'))}",
+        (f"agreement max |Δp| {s.get('agreement_max_abs_diff')} over {s.get('agreement_requests')} requests; "
+         f"kernels {json.dumps(s.get('kernels'))}"),
         f"control (stock path, SDPA math kernel): {json.dumps(s.get('control_sdpa_math'))}", ""]
 
 
