@@ -17,7 +17,6 @@ are hashed.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,20 @@ from typing import Any
 import torch
 
 from clef_model.errors import BlazeError
+from clef_model.files import (
+    CARD_FILE,
+    GITATTRIBUTES,
+    INDEX_FILE,
+    JOINT_HEAD,
+    MANIFEST_FILE,
+    PATCH_FILE,
+    RELEASE_CODE,
+)
+from clef_model.manifest import BaseInfo, Manifest, find_manifest
 
-RELEASE_CODE = "joint_schema_model.py"
-JOINT_HEAD = "joint_head.safetensors"
 # Side files a variant may legitimately differ in: its own manifest/delta/card and the shard index
 # (a re-sharded checkpoint has another index; tensors are compared one by one instead).
-VARIANT_OWN_FILES = {"blaze_manifest.json", "blaze_delta.safetensors", "README.md", "model.safetensors.index.json",
-                     ".gitattributes"}
+VARIANT_OWN_FILES = {MANIFEST_FILE, PATCH_FILE, CARD_FILE, INDEX_FILE, GITATTRIBUTES}
 UNIT_ROUNDOFF = {"BF16": 2.0**-8, "F16": 2.0**-11, "F32": 2.0**-24, "F64": 2.0**-53}
 
 
@@ -54,45 +60,79 @@ def numerical_rank(delta: torch.Tensor, weight_rms: float, dtype: str, device: s
     return int((singular > tolerance).sum())
 
 
-def _read_manifest(release) -> dict[str, Any] | None:
-    path = Path(release.path) / "blaze_manifest.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise BlazeError(f"{path} is not valid JSON ({error.msg}); re-create the variant with blaze edit")
+REPORT_MANIFEST_KEY = "variant_manifest_sha256"  # in a canary report's `meta`: the weights it was run on
 
 
-def _base_identity(manifest: dict[str, Any] | None) -> dict[str, Any]:
-    if not manifest:
-        return {}
-    for key in ("base", "base_identity"):
-        value = manifest.get(key)
-        if isinstance(value, dict):
-            return value
-    return {}
+def manifest_sha256(folder: Path) -> str | None:
+    """SHA-256 of a variant folder's manifest file (None for a folder without one, e.g. a base).
+
+    The manifest lists every file's SHA-256, so this one hash names the variant's weights: a canary
+    report records it (`meta.variant_manifest_sha256`) and `blaze publish` checks it.
+    """
+    from clef_model.checkpoint import sha256_file
+
+    path = Path(folder) / MANIFEST_FILE
+    return sha256_file(path) if path.is_file() else None
 
 
-def _manifest_base_mismatch(manifest: dict[str, Any] | None, base) -> str | None:
+def report_manifest_sha256(report: dict[str, Any]) -> str | None:
+    """The manifest SHA-256 a canary report records for the variant it ran on (None when it records none)."""
+    meta = report.get("meta")
+    value = meta.get(REPORT_MANIFEST_KEY) if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(".safetensors") and name.startswith("model") or name == INDEX_FILE
+
+
+def side_file_integrity(manifest: Manifest) -> tuple[bool, list[str]]:
+    """File-level integrity from the manifest alone: every side file equals the base's.
+
+    The manifest records the SHA-256 of each base input file (``base.files``) and of each output file
+    (``output.files``). Weight shards and their index legitimately differ; everything else (joint head,
+    release code, tokenizer, configs, LICENSE) must be byte-identical, and a Clef release's joint head and
+    release code must be present. `blaze publish` and the model card use this when the canary report carries
+    no integrity verdict (``blaze edit`` runs its canary before the folder exists); it does not compare
+    tensors with the base.
+    """
+    base_files, out_files = manifest.base.files, manifest.output.files
+    if not base_files:
+        return False, ["the manifest records no base file hashes: no integrity check is possible"]
+    problems = []
+    for name, digest in sorted(base_files.items()):
+        if name == CARD_FILE or _is_weight_file(name):
+            continue
+        if name not in out_files:
+            problems.append(f"{name}: in the base but not in the variant")
+        elif out_files[name].lower() != digest.lower():
+            problems.append(f"{name}: differs from the base's (SHA-256)")
+    if JOINT_HEAD in base_files:
+        for name in (JOINT_HEAD, RELEASE_CODE):
+            if name not in base_files or name not in out_files:
+                problems.append(f"{name}: missing, so the typed-decision path cannot be trusted")
+    return not problems, problems
+
+
+def _manifest_base_mismatch(manifest: Manifest | None, base) -> str | None:
     """A reason the manifest names another base than `base`, or None when it agrees or says nothing.
 
     Uses what `surgery.patch.base_identity` records: the checkpoint index hash (when the base has an index)
     and the SHA-256 of each edited tensor's stored bytes in the base.
     """
-    identity = _base_identity(manifest)
-    if not identity:
-        return None
+    identity = manifest.base if manifest is not None else BaseInfo()
     from clef_model.checkpoint import CheckpointReader, sha256_file
 
-    index_hash = identity.get("index_sha256")
-    index_path = Path(base.path) / "model.safetensors.index.json"
-    if index_hash and identity.get("index_file", "model.safetensors.index.json") == index_path.name \
+    index_hash = identity.index_sha256
+    index_path = Path(base.path) / INDEX_FILE
+    if index_hash and (identity.index_file or INDEX_FILE) == index_path.name \
             and index_path.is_file() and sha256_file(index_path) != index_hash:
         return (f"the variant's manifest records base index sha256 {index_hash[:12]}…, but {base.ref} has "
                 f"{sha256_file(index_path)[:12]}…")
+    if not identity.tensor_sha256:
+        return None
     reader = CheckpointReader(Path(base.path))
-    for name, digest in (identity.get("tensor_sha256") or {}).items():
+    for name, digest in identity.tensor_sha256.items():
         full = name if name in reader else f"{name}.weight"
         if full not in reader:
             return f"the manifest's base has tensor {full}, which {base.ref} lacks"
@@ -109,7 +149,8 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
     from clef_model.checkpoint import CheckpointReader, sha256_file
 
     variant, base = _release(variant), _release(base)
-    mismatch = _manifest_base_mismatch(_read_manifest(variant), base)
+    manifest = find_manifest(Path(variant.path))
+    mismatch = _manifest_base_mismatch(manifest, base)
     if mismatch:
         raise BlazeError(f"{variant.ref} is a variant of another base: {mismatch}; pass its own base with --against")
     v_reader, b_reader = CheckpointReader(Path(variant.path)), CheckpointReader(Path(base.path))
@@ -173,7 +214,6 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
     for name, entry in files.items():
         if name not in (JOINT_HEAD, RELEASE_CODE) and not entry["equal"]:
             problems.append(f"side file {name} {'is missing' if entry['variant'] is None else 'differs from the base'}")
-    manifest = _read_manifest(variant)
     listed = _manifest_tensors(manifest)
     if listed is not None:
         unexpected = [c["name"] for c in changed if c["name"] not in listed]
@@ -192,14 +232,11 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
     }
 
 
-def _manifest_tensors(manifest: dict[str, Any] | None) -> set[str] | None:
+def _manifest_tensors(manifest: Manifest | None) -> set[str] | None:
     """Names of the tensors the manifest says were edited (None when it does not say)."""
-    if not manifest:
+    if manifest is None:
         return None
-    for key in ("edited_tensors", "tensors", "targets"):
-        value = manifest.get(key)
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return {v if v.endswith(".weight") else f"{v}.weight" for v in value}
-        if isinstance(value, dict):
-            return {k if k.endswith(".weight") else f"{k}.weight" for k in value}
-    return None
+    names = manifest.edited_tensors if manifest.edited_tensors is not None else tuple(manifest.matrices) or None
+    if names is None:
+        return None
+    return {v if v.endswith(".weight") else f"{v}.weight" for v in names}

@@ -64,6 +64,8 @@ class HubState:
     requests: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     commits: int = 0
+    commit_messages: list[str] = field(default_factory=list)  # each commit's summary, in order
+    fail_commits: bool = False  # answer every commit with HTTP 500 (tests of a failed upload)
 
     def branch_dir(self, repo_id: str, branch: str) -> Path:
         return self.root / "repos" / repo_id / branch
@@ -358,6 +360,8 @@ def _commit(h: _Handler, body: bytes, repo_id: str, revision: str):
     lines = [json.loads(line) for line in body.splitlines() if line.strip()]
     if not lines or lines[0].get("key") != "header":
         raise _HTTPError(400, "commit payload must start with a header line")
+    if h.hub.fail_commits:
+        raise _HTTPError(500, "the stand-in was told to fail commits")
     staged: list[tuple[str, str, Any]] = []
     for line in lines[1:]:
         key, value = line["key"], line["value"]
@@ -390,6 +394,7 @@ def _commit(h: _Handler, body: bytes, repo_id: str, revision: str):
             else:
                 shutil.copyfile(source, target)
         h.hub.commits += 1
+        h.hub.commit_messages.append(str(lines[0]["value"].get("summary", "")))
         oid = hashlib.sha1(f"{repo_id}:{revision}:{h.hub.commits}".encode()).hexdigest()
         repo["branches"][revision] = oid
     return 200, {"commitUrl": f"{h._base()}/{repo_id}/commit/{oid}", "commitOid": oid,

@@ -63,14 +63,14 @@ def test_variant_of_another_base_is_refused(tiny_release, tmp_path):
 
 
 def test_manifest_naming_another_base_is_refused(tiny_release, tmp_path):
-    manifest = {"base": {"ref": "elsewhere", "index_sha256": "0" * 64}}
+    manifest = {"blaze_manifest": 1, "base": {"ref": "elsewhere", "index_sha256": "0" * 64}}
     variant = make_variant(tiny_release, tmp_path / "variant", manifest=manifest)
     with pytest.raises(BlazeError, match="another base"):
         check_integrity(variant, tiny_release)
 
 
 def test_manifest_tensor_hashes_of_another_base_are_refused(tiny_release, tmp_path):
-    manifest = {"base": {"tensor_sha256": {WRITERS[0].removesuffix(".weight"): "f" * 64}}}
+    manifest = {"blaze_manifest": 1, "base": {"tensor_sha256": {WRITERS[0].removesuffix(".weight"): "f" * 64}}}
     variant = make_variant(tiny_release, tmp_path / "variant", manifest=manifest)
     with pytest.raises(BlazeError, match="another base"):
         check_integrity(variant, tiny_release)

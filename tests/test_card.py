@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from canaries.integrity import REPORT_MANIFEST_KEY
 from clef_model.checkpoint import CheckpointReader, sha256_file
 from clef_model.runtime import Generation
 from variants.card import (CARD_MARKER, base_hub_id, license_from_text, render_card, split_front_matter,
@@ -100,6 +101,8 @@ def make_variant(base: Path, out: Path, *, canary: str | None = "after", gate_pa
         if integrity is not None and not integrity_passes:
             integrity = {**integrity, "passed": False, "problems": ["joint head differs from the base"]}
         report = canary_report(gate_passes=gate_passes, integrity=integrity, clef=clef)
+        # as `blaze canary` does: the report names the weights it ran on by their manifest's SHA-256
+        report.setdefault("meta", {})[REPORT_MANIFEST_KEY] = sha256_file(manifest_path)
         (out / "blaze_canary.json").write_text(json.dumps(report, indent=1))
     return out
 

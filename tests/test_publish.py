@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -189,3 +190,83 @@ def test_republishing_unchanged_folder_uploads_nothing(variant: Path, hub: HubSt
     later = hub.requests[before:]
     assert not [r for r in later if r.method == "PUT" or "/commit/" in r.path]  # every file's oid matched
     _assert_same_files(hub, "you/concise", "main", variant)
+
+
+def test_commit_message_names_the_behaviour(variant: Path, hub: HubStandIn):
+    """The behaviour is stored at `edit.behavior`; the upload's commit message names it."""
+    result = _publish(str(variant), "--repo", "you/concise")
+    assert result.exit_code == 0, result.output
+    assert hub.state.commit_messages == ["blaze: publish verbosity variant"]
+
+
+def test_report_of_other_weights_is_refused_own_report_accepted(tiny_release: Path, tmp_path: Path):
+    """A passing report copied from another variant is refused (it names that variant's manifest)."""
+    import shutil
+
+    own = make_variant(tiny_release, tmp_path / "own")
+    other = make_variant(tiny_release, tmp_path / "other")
+    accepted = _publish(str(own), "--repo", "you/own", "--dry-run")
+    assert accepted.exit_code == 0, accepted.output
+    assert "Canary gate: passed" in accepted.output
+
+    # another variant: its manifest says another strength, so it is other weights than `own`
+    manifest = json.loads((other / "blaze_manifest.json").read_text())
+    manifest["edit"]["strength"] = 0.3
+    (other / "blaze_manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    shutil.copyfile(own / "blaze_canary.json", other / "blaze_canary.json")  # the transplant
+    refused = _publish(str(other), "--repo", "you/other", "--dry-run")
+    assert refused.exit_code == 2
+    assert "blaze_canary.json belongs to other weights" in refused.output and "re-run `blaze canary" in refused.output
+    assert "Traceback" not in refused.output
+
+
+def test_report_that_names_no_weights_is_refused(variant: Path):
+    report = json.loads((variant / "blaze_canary.json").read_text())
+    del report["meta"]["variant_manifest_sha256"]
+    (variant / "blaze_canary.json").write_text(json.dumps(report))
+    result = _publish(str(variant), "--repo", "you/concise", "--dry-run")
+    assert result.exit_code == 2 and "does not record which weights it was run on" in result.output
+
+
+def test_edit_report_replaced_by_a_later_canary_run_is_accepted(tiny_release: Path, tmp_path: Path):
+    """`blaze canary` over an edit's folder replaces the listed report; its manifest hash binds it instead."""
+    from canaries.integrity import REPORT_MANIFEST_KEY, manifest_sha256
+    from test_card import canary_report
+
+    folder = make_variant(tiny_release, tmp_path / "edit", canary="edit")
+    report = canary_report()
+    report.setdefault("meta", {})[REPORT_MANIFEST_KEY] = manifest_sha256(folder)
+    (folder / "blaze_canary.json").write_text(json.dumps(report))
+    result = _publish(str(folder), "--repo", "you/edited", "--dry-run")
+    assert result.exit_code == 0, result.output
+
+
+def test_failed_upload_leaves_no_card_behind(variant: Path, hub: HubStandIn):
+    hub.state.fail_commits = True
+    result = _publish(str(variant), "--repo", "you/concise")
+    assert result.exit_code == 2 and "upload to you/concise failed (HTTP 500)" in result.output
+    assert not (variant / "README.md").exists()
+    assert not [p.name for p in variant.iterdir() if p.name.startswith(".")]  # no temp file either
+
+
+def test_failed_upload_puts_the_earlier_card_back(variant: Path, hub: HubStandIn):
+    """A folder that already held a README.md (e.g. the base's card, copied along) gets it back unchanged."""
+    (variant / "README.md").write_text("the base's card\n")
+    hub.state.fail_commits = True
+    result = _publish(str(variant), "--repo", "you/concise")
+    assert result.exit_code == 2
+    assert (variant / "README.md").read_text() == "the base's card\n"
+
+
+def test_wrong_hashes_name_the_files_not_a_cause(variant: Path):
+    """A manifest whose recorded hashes are wrong: the message names each file, and does not claim an edit."""
+    manifest = json.loads((variant / "blaze_manifest.json").read_text())
+    wrong = sorted(name for name in manifest["output"]["files"] if name.endswith(".json"))[:2]
+    for name in wrong:
+        manifest["output"]["files"][name] = "0" * 64
+    (variant / "blaze_manifest.json").write_text(json.dumps(manifest))
+    result = _publish(str(variant), "--repo", "you/concise", "--dry-run")
+    assert result.exit_code == 2
+    for name in wrong:
+        assert f"{name}: SHA-256 differs from the manifest's" in result.output
+    assert "changed after the edit" not in result.output

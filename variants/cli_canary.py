@@ -13,8 +13,6 @@ from typing import Any
 
 import click
 
-from clef_model.errors import BlazeError
-
 THRESHOLD_OPTIONS = [
     ("--min-effect", "min_effect", float, "Smallest effect size to pass (e.g. relative length cut 0.25)."),
     ("--effect", "effect", click.Choice(["length_cut", "quality_gain", "none"]), "Which effect the gate measures."),
@@ -27,31 +25,6 @@ THRESHOLD_OPTIONS = [
     ("--max-argmax-flips", "max_argmax_flips", int, "Most typed-decision questions whose chosen option may change."),
     ("--min-quality-ratio", "min_quality_ratio", float, "Variant keyword hits must be ≥ this × base hits."),
 ]
-
-
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / "blaze_manifest.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise BlazeError(f"{path} is not valid JSON ({error.msg}); re-create the variant with blaze edit")
-
-
-def _manifest_behavior(manifest: dict[str, Any]) -> str | None:
-    edit = manifest.get("edit") if isinstance(manifest.get("edit"), dict) else {}
-    value = manifest.get("behavior") or edit.get("behavior")
-    if isinstance(value, dict):
-        value = value.get("source") if value.get("source") and Path(str(value["source"])).is_file() else value.get("name")
-    return str(value) if value else None
-
-
-def _manifest_base(manifest: dict[str, Any]) -> str | None:
-    base = manifest.get("base") or manifest.get("base_identity")
-    if isinstance(base, dict):
-        return base.get("ref")
-    return str(base) if base else None
 
 
 def _fits_together(variant, base, device: str) -> bool:
@@ -85,19 +58,21 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     import torch
 
     from canaries.cache import DiskCache, release_fingerprint
-    from canaries.integrity import check_integrity
+    from canaries.integrity import REPORT_MANIFEST_KEY, check_integrity, manifest_sha256
     from canaries.report import print_report, to_markdown
     from canaries.run import ModelView, freeform_suite, run_canary, run_sequential
     from canaries.suites import load_custom_suite
+    from clef_model.manifest import find_manifest
     from clef_model.release import DEFAULT_BASE, resolve_release
     from clef_model.runtime import Runtime
 
     variant_release = resolve_release(variant_ref)
-    manifest = _read_manifest(Path(variant_release.path))
-    base_release = resolve_release(against or _manifest_base(manifest) or DEFAULT_BASE)
+    manifest = find_manifest(Path(variant_release.path))  # a base release has none
+    weights = manifest_sha256(Path(variant_release.path))  # binds the report to these weights (blaze publish)
+    base_release = resolve_release(against or (manifest.base.ref if manifest else None) or DEFAULT_BASE)
 
     spec = None
-    behavior = behavior or _manifest_behavior(manifest)
+    behavior = behavior or (manifest.behavior if manifest else None)
     if behavior:
         from variants.spec import load_behavior
 
@@ -144,7 +119,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                                 base_cache=DiskCache(), base_key=f"{release_fingerprint(Path(base_release.path))}|"
                                                                  f"{device}", base_is_clef=base_release.kind == "clef",
                                 **common)
-    report["meta"].update({"variant": variant_release.ref, "base": base_release.ref,
+    report["meta"].update({"variant": variant_release.ref, "base": base_release.ref, REPORT_MANIFEST_KEY: weights,
                            "behavior": spec.name if spec else None, "mode": "together" if together else "sequential"})
     print_report(report, echo=lambda line: click.echo(line))
     if json_path is not None:

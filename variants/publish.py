@@ -4,13 +4,19 @@ Checks before anything is uploaded (any failure refuses, unless ``force``):
 
 - ``blaze_manifest.json`` is present and lists the output files; every listed file exists and its
   SHA-256 matches; no file outside the list would be uploaded (besides the card and the canary reports);
-- ``blaze_canary.json`` is present, its gate passed and its integrity check passed. A report without an
-  integrity verdict (``blaze edit`` runs its canary before the folder exists) falls back to a file-level
-  check from the manifest: every side file (joint head, release code, tokenizer, ...) equals the base's.
+- ``blaze_canary.json`` is present, belongs to these weights, its gate passed and its integrity check
+  passed. It belongs to these weights when it is the report ``blaze edit`` wrote (its SHA-256 is listed in
+  the manifest) or when it records this folder's manifest SHA-256 (``blaze canary`` writes it into
+  ``meta``; the manifest holds every file's hash, so that binds the report to the weights). A report
+  copied from another variant is refused. A report without an integrity verdict (``blaze edit`` runs its
+  canary before the folder exists) falls back to a file-level check from the manifest
+  (``canaries.integrity.side_file_integrity``): every side file (joint head, release code, tokenizer, ...)
+  equals the base's.
 
 Then the card is rendered into ``README.md`` (the one file that is not hash-checked: it is regenerated
 here) and the folder goes up with ``huggingface_hub`` (``create_repo(exist_ok=True)``, ``create_branch``
-for a new ``revision``, ``upload_folder``; the library handles large files and shows progress).
+for a new ``revision``, ``upload_folder``; the library handles large files and shows progress). When the
+upload fails, the folder's earlier ``README.md`` (or its absence) is put back.
 
 The token is read from the environment (``--token-env``, default ``HF_TOKEN``) or huggingface_hub's
 stored login, and only ever handed to ``HfApi``: it is never printed, logged, or written to a file.
@@ -23,15 +29,20 @@ import glob
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
+from canaries.integrity import report_manifest_sha256, side_file_integrity
+from clef_model import env
+from clef_model.checkpoint import sha256_file
 from clef_model.errors import BlazeError
-from variants.card import CANARY_JSON, CANARY_MD, MANIFEST, lookup, read_json, render_card, write_card
+from clef_model.files import CANARY_JSON, CANARY_MD, CARD_FILE, MANIFEST_FILE
+from clef_model.manifest import Manifest, find_manifest
+from variants.card import read_json, render_card, write_card
 
-CARD = "README.md"
+CARD = CARD_FILE
 # Files that may sit beside the manifest's list: the manifest itself, the canary reports (they can be
 # written after the manifest), and the card (regenerated on every publish).
-UNLISTED_OK = {MANIFEST, CANARY_JSON, CANARY_MD, CARD}
+UNLISTED_OK = {MANIFEST_FILE, CANARY_JSON, CANARY_MD, CARD}
 
 
 @dataclass
@@ -42,7 +53,7 @@ class Verification:
     files: list[tuple[str, int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
     report: dict[str, Any] | None = None
 
     @property
@@ -63,60 +74,6 @@ class PublishResult:
     commit_url: str | None = None
 
 
-def manifest_file_hashes(manifest: dict[str, Any]) -> dict[str, str] | None:
-    """Output file -> SHA-256 from a manifest (several shapes accepted); None when it lists none."""
-    listing = lookup(manifest, "output.files", "outputs", "output_files", "files")
-    if isinstance(listing, dict):
-        out = {}
-        for name, value in listing.items():
-            sha = value if isinstance(value, str) else lookup(value, "sha256") if isinstance(value, dict) else None
-            if isinstance(sha, str):
-                out[str(name)] = sha.lower()
-        return out or None
-    if isinstance(listing, list):
-        out = {}
-        for entry in listing:
-            if isinstance(entry, dict):
-                name = lookup(entry, "path", "name", "file")
-                sha = lookup(entry, "sha256")
-                if isinstance(name, str) and isinstance(sha, str):
-                    out[name] = sha.lower()
-        return out or None
-    return None
-
-
-def side_file_integrity(manifest: dict[str, Any]) -> tuple[bool, list[str]]:
-    """File-level integrity from the manifest alone: every side file equals the base's.
-
-    The manifest records the SHA-256 of each base input file (``base.files``) and of each output file
-    (``output.files``). Weight shards and their index legitimately differ; everything else (joint head,
-    release code, tokenizer, configs, LICENSE) must be byte-identical, and a Clef release's joint head and
-    release code must be present. This runs when the canary report carries no integrity verdict (``blaze
-    edit`` runs its canary before the folder exists); it does not compare tensors with the base.
-    """
-    base_files = lookup(manifest, "base.files")
-    out_files = manifest_file_hashes(manifest) or {}
-    if not isinstance(base_files, dict) or not base_files:
-        return False, ["the manifest records no base file hashes: no integrity check is possible"]
-    problems = []
-    for name, digest in sorted(base_files.items()):
-        if name == CARD or _is_weight_file(name):
-            continue
-        if name not in out_files:
-            problems.append(f"{name}: in the base but not in the variant")
-        elif out_files[name] != str(digest).lower():
-            problems.append(f"{name}: differs from the base's (SHA-256)")
-    if "joint_head.safetensors" in base_files:
-        for name in ("joint_head.safetensors", "joint_schema_model.py"):
-            if name not in base_files or name not in out_files:
-                problems.append(f"{name}: missing, so the typed-decision path cannot be trusted")
-    return not problems, problems
-
-
-def _is_weight_file(name: str) -> bool:
-    return name.endswith(".safetensors") and name.startswith("model") or name == "model.safetensors.index.json"
-
-
 def folder_files(folder: Path) -> list[tuple[str, int]]:
     """Every regular file under ``folder`` as (posix relative path, size); hidden entries skipped."""
     files = []
@@ -128,59 +85,96 @@ def folder_files(folder: Path) -> list[tuple[str, int]]:
     return files
 
 
+def report_binding(folder: Path, manifest: Manifest, report: dict[str, Any]) -> tuple[bool, str | None]:
+    """(bound by ``meta``, problem): whether the canary report belongs to the weights the manifest describes.
+
+    The report ``blaze edit`` wrote is listed in the manifest (its SHA-256 checked like any file); a report
+    of ``blaze canary`` records the SHA-256 of the manifest of the variant it ran on. Anything else — a
+    report copied from another variant, or one that does not say which weights it measured — is a problem.
+    """
+    listed = manifest.output.files.get(CANARY_JSON)
+    if listed is not None and sha256_file(folder / CANARY_JSON) == listed:
+        return False, None
+    rerun = (f"re-run `blaze canary {folder} --json {folder / CANARY_JSON} --markdown {folder / CANARY_MD}` "
+             "on these weights")
+    recorded = report_manifest_sha256(report)
+    if recorded is None:
+        return False, (f"{CANARY_JSON} does not record which weights it was run on (not the report blaze edit "
+                       f"wrote for this folder, and no variant manifest SHA-256 in it): {rerun}")
+    actual = sha256_file(folder / MANIFEST_FILE)
+    if recorded != actual:
+        return False, (f"{CANARY_JSON} belongs to other weights: it was run on the variant whose manifest has "
+                       f"SHA-256 {recorded[:12]}…, this folder's manifest has {actual[:12]}…; {rerun}")
+    return True, None
+
+
+def _check_files(folder: Path, manifest: Manifest, result: Verification, report_rerun: bool) -> None:
+    """Every listed file present with its SHA-256, and no unlisted file (problems into ``result``)."""
+    listed = manifest.output.files
+    if not listed:
+        result.problems.append(f"{MANIFEST_FILE} lists no output files with SHA-256: cannot verify the folder")
+        return
+    skip = {CARD, CANARY_JSON} | ({CANARY_MD} if report_rerun else set())  # the card is regenerated here;
+    # the report is checked by report_binding (a later `blaze canary` run replaces the edit's)
+    for name, expected in sorted(listed.items()):
+        if name in skip:
+            continue
+        path = folder / name
+        if not path.is_file():
+            result.problems.append(f"{name}: listed in the manifest but missing from the folder")
+        elif sha256_file(path) != expected:
+            result.problems.append(f"{name}: SHA-256 differs from the manifest's (the file or {MANIFEST_FILE} "
+                                   "was altered or damaged after blaze wrote them)")
+    present = {name for name, _ in result.files}
+    for name in sorted(present - set(listed) - UNLISTED_OK):
+        result.problems.append(f"{name}: not listed in the manifest (an unverified file would be uploaded)")
+
+
+def _check_report(report: dict[str, Any], manifest: Manifest | None, result: Verification) -> None:
+    """Gate and integrity verdicts of the canary report (problems and notes into ``result``)."""
+    gate = report.get("gate")
+    if not isinstance(gate, dict) or gate.get("passed") is not True:
+        checks = gate.get("checks") if isinstance(gate, dict) else None
+        failed = [c.get("name", "?") for c in (checks if isinstance(checks, list) else [])
+                  if isinstance(c, dict) and c.get("passed") is False]
+        result.problems.append("the canary gate did not pass"
+                               + (f" (failed: {', '.join(map(str, failed))})" if failed else ""))
+    integrity = report.get("integrity")
+    verdict = integrity.get("passed") if isinstance(integrity, dict) else None
+    if verdict is False:
+        problems = integrity.get("problems") or ["see report"]
+        result.problems.append("the canary integrity check failed: " + "; ".join(map(str, problems)))
+    elif verdict is None and manifest is not None:
+        passed, problems = side_file_integrity(manifest)
+        result.notes.append("integrity: the canary report has no integrity check; side files checked "
+                            "against the base hashes in the manifest: " + ("identical" if passed else "DIFFER"))
+        result.problems += [f"integrity: {p}" for p in problems]
+    elif verdict is None:
+        result.problems.append("the canary report has no integrity verdict")
+
+
 def verify_variant(variant_dir: Path) -> Verification:
     """Check a variant folder against its manifest and canary report; never raises for a bad variant."""
-    from clef_model.checkpoint import sha256_file
-
     folder = Path(variant_dir)
     if not folder.is_dir():
         raise BlazeError(f"variant folder not found: {folder}; pass the folder `blaze edit --out` wrote")
     result = Verification(folder=folder, files=[f for f in folder_files(folder) if f[0] != CARD])
-    result.manifest = read_json(folder / MANIFEST)
-    result.report = read_json(folder / CANARY_JSON)
-
-    if result.manifest is None:
-        result.problems.append(f"{MANIFEST} is missing: this folder was not written by `blaze edit`/`blaze apply`")
+    result.manifest = manifest = find_manifest(folder)
+    result.report = report = read_json(folder / CANARY_JSON)
+    rerun = False
+    if manifest is not None and report is not None:
+        rerun, binding = report_binding(folder, manifest, report)
+        if binding:
+            result.problems.append(binding)
+    if manifest is None:
+        result.problems.append(f"{MANIFEST_FILE} is missing: this folder was not written by `blaze edit`/`blaze apply`")
     else:
-        listed = manifest_file_hashes(result.manifest)
-        if listed is None:
-            result.problems.append(f"{MANIFEST} lists no output files with SHA-256: cannot verify the folder")
-        else:
-            present = {name for name, _ in result.files}
-            for name, expected in sorted(listed.items()):
-                if name == CARD:
-                    continue  # regenerated by publish
-                path = folder / name
-                if not path.is_file():
-                    result.problems.append(f"{name}: listed in the manifest but missing from the folder")
-                elif sha256_file(path) != expected:
-                    result.problems.append(f"{name}: SHA-256 differs from the manifest (file changed after the edit)")
-            for name in sorted(present - set(listed) - UNLISTED_OK):
-                result.problems.append(f"{name}: not listed in the manifest (an unverified file would be uploaded)")
-
-    report = result.report
+        _check_files(folder, manifest, result, rerun)
     if report is None:
         result.problems.append(f"{CANARY_JSON} is missing: run `blaze canary {folder} --against BASE --json "
                                f"{folder / CANARY_JSON} --markdown {folder / CANARY_MD}` first")
     else:
-        gate = report.get("gate")
-        if not isinstance(gate, dict) or gate.get("passed") is not True:
-            failed = [lookup(c, "name", "check", default="?") for c in (lookup(gate, "checks", default=[]) or [])
-                      if isinstance(c, dict) and c.get("passed") is False]
-            result.problems.append("the canary gate did not pass"
-                                   + (f" (failed: {', '.join(map(str, failed))})" if failed else ""))
-        integrity = report.get("integrity")
-        verdict = lookup(integrity, "passed", "ok") if isinstance(integrity, dict) else None
-        if verdict is False:
-            result.problems.append("the canary integrity check failed: "
-                                   + "; ".join(map(str, lookup(integrity, "problems", default=[]) or ["see report"])))
-        elif verdict is None and result.manifest is not None:
-            passed, problems = side_file_integrity(result.manifest)
-            result.notes.append("integrity: the canary report has no integrity check; side files checked "
-                                "against the base hashes in the manifest: " + ("identical" if passed else "DIFFER"))
-            result.problems += [f"integrity: {p}" for p in problems]
-        elif verdict is None:
-            result.problems.append("the canary report has no integrity verdict")
+        _check_report(report, manifest, result)
     return result
 
 
@@ -262,18 +256,19 @@ def publish(variant_dir: Path, repo_id: str, *, private: bool = False, revision:
         return result
 
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     if constants.is_offline_mode():
         raise BlazeError("HF_HUB_OFFLINE is set: publishing needs the Hub; unset it, or use --dry-run")
     token = resolve_token(token_env)
     api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
+    card_path = folder / CARD
+    earlier_card = card_path.read_bytes() if card_path.is_file() else None
     write_card(folder, repo_id)
-    quiet = os.environ.get("BLAZE_QUIET") == "1" and not are_progress_bars_disabled()
+    quiet = env.quiet() and not are_progress_bars_disabled()
     if quiet:
         disable_progress_bars()
-    behaviour = lookup(check.manifest, "behavior.name", "behavior", "extra.behavior", "metadata.behavior")
+    behaviour = check.manifest.behavior if check.manifest is not None else None
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         echo(f"repo: {url}")
@@ -283,18 +278,38 @@ def publish(variant_dir: Path, repo_id: str, *, private: bool = False, revision:
         info = api.upload_folder(
             repo_id=repo_id, folder_path=folder, revision=branch, repo_type="model",
             allow_patterns=[glob.escape(name) for name in names],
-            commit_message=f"blaze: publish {behaviour + ' ' if isinstance(behaviour, str) else ''}variant",
+            commit_message=f"blaze: publish {behaviour + ' ' if behaviour else ''}variant",
         )
-    except HfHubHTTPError as error:
-        status = getattr(getattr(error, "response", None), "status_code", None)
-        hint = (" — check the token has write access to this namespace (`hf auth login`)" if status in (401, 403)
-                else "")
-        raise BlazeError(f"upload to {repo_id} failed (HTTP {status}): {error.server_message or error}{hint}") from None
-    except (ConnectionError, OSError) as error:
-        raise BlazeError(f"cannot reach the Hub at {api.endpoint}: {error}") from None
+    except BaseException as error:
+        _restore_card(card_path, earlier_card)
+        _raise_upload_error(error, repo_id, api.endpoint)
     finally:
         if quiet:
             enable_progress_bars()
     result.commit_url = getattr(info, "commit_url", None) or str(info)
     echo(f"published {len(names)} files to {repo_id}@{branch}: {result.commit_url}")
     return result
+
+
+def _restore_card(card_path: Path, earlier: bytes | None) -> None:
+    """Put back the folder's README.md as it was before publish rendered the card (or remove it)."""
+    if earlier is None:
+        card_path.unlink(missing_ok=True)
+        return
+    tmp = card_path.with_name(f".{card_path.name}.restore")
+    tmp.write_bytes(earlier)
+    os.replace(tmp, card_path)
+
+
+def _raise_upload_error(error: BaseException, repo_id: str, endpoint: str) -> NoReturn:
+    """Re-raise a failed upload as a BlazeError that says what to do (other exceptions unchanged)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(error, HfHubHTTPError):
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        hint = (" — check the token has write access to this namespace (`hf auth login`)" if status in (401, 403)
+                else "")
+        raise BlazeError(f"upload to {repo_id} failed (HTTP {status}): {error.server_message or error}{hint}") from None
+    if isinstance(error, (ConnectionError, OSError)):
+        raise BlazeError(f"cannot reach the Hub at {endpoint}: {error}") from None
+    raise error
