@@ -16,6 +16,7 @@ def rms_eps(norm: torch.nn.Module) -> float:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x`` scaled to unit L2 norm over its last dimension (the delta rule's query/key normalisation)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
@@ -31,5 +32,6 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(-x2, x1)`` for ``x = (x1, x2)`` split in halves: the rotary embedding's rotation."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
