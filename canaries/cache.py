@@ -24,8 +24,9 @@ import torch
 
 def cache_root() -> Path:
     """`$BLAZE_CACHE/canary` when set, else `~/.cache/blaze/canary`."""
-    root = os.environ.get("BLAZE_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "blaze") / "canary"
+    from clef_model.env import cache_root as blaze_cache
+
+    return blaze_cache() / "canary"
 
 
 def _json_default(value: Any) -> Any:

@@ -8,7 +8,6 @@ edit toggled in memory by `activate`) or be two Runtimes; `run_sequential` loads
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -75,8 +74,9 @@ def _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, 
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
-    quiet = os.environ.get("BLAZE_QUIET") == "1"
-    return tqdm(total=total, desc=desc, unit="step", disable=quiet or not enabled, leave=False)
+    from clef_model.env import quiet
+
+    return tqdm(total=total, desc=desc, unit="step", disable=quiet() or not enabled, leave=False)
 
 
 def collect_side(view: ModelView, suite: CanarySuite, settings: dict[str, Any], reference: dict | None = None,

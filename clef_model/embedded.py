@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from clef_model import env
 from clef_model.checkpoint import INDEX_NAME, ShardedWriter, atomic_output
 from clef_model.errors import BlazeError, ReleaseError
 
@@ -110,9 +111,8 @@ def embedded_model(alias: str = DEFAULT_ALIAS) -> EmbeddedModel:
 
 
 def cache_root() -> Path:
-    """blaze's cache folder: $BLAZE_CACHE, else ~/.cache/blaze."""
-    root = os.environ.get("BLAZE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "blaze"
+    """blaze's cache folder: $BLAZE_CACHE, else ~/.cache/blaze (`clef_model.env.cache_root`)."""
+    return env.cache_root()
 
 
 def piece_paths(model: EmbeddedModel) -> list[Path]:
@@ -210,7 +210,7 @@ def convert_gguf(source: Path, out: Path, *, force: bool = True, model: Embedded
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     model = model or embedded_model(DEFAULT_ALIAS)
-    progress = os.environ.get("BLAZE_QUIET") != "1"
+    progress = not env.quiet()
     reinstall = model.install_command.replace("--no-deps", "--no-deps --force-reinstall")
     try:
         with _quiet(not progress):

@@ -56,12 +56,14 @@ def hub_blob_sha256(path: Path) -> str | None:
 
 def enabled() -> bool:
     """Whether the persistent hash cache is on (`BLAZE_HASH_CACHE=0` turns it off)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    from clef_model.env import hash_cache
+
+    return hash_cache()
 
 
 def cache_path() -> Path:
     """Where the hash cache lives: `$BLAZE_CACHE/sha256-cache.json` (default `~/.cache/blaze/`)."""
-    from clef_model.embedded import cache_root
+    from clef_model.env import cache_root
 
     return cache_root() / CACHE_NAME
 

@@ -495,7 +495,9 @@ def build_fixture(
     if preset not in PRESETS:
         raise BlazeError(f"unknown fixture preset {preset!r}; choose one of {', '.join(PRESETS)}.")
     if progress is None:
-        progress = os.environ.get("BLAZE_QUIET") != "1"
+        from clef_model.env import quiet
+
+        progress = not quiet()
     from transformers import AutoTokenizer
 
     release_code = vendored_release_code()

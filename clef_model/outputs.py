@@ -87,7 +87,7 @@ def written_by_blaze(folder: Path) -> bool:
             return True
     except OSError:
         pass
-    from clef_model.embedded import cache_root
+    from clef_model.env import cache_root
 
     return cache_root().absolute() in folder.parents
 

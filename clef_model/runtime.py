@@ -11,7 +11,6 @@ decoder layers and linear modules, keyed by their on-disk tensor names. Plain Hu
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -147,7 +146,9 @@ class Runtime:
     ) -> "Runtime":
         """Resolve, validate and load a release once (Clef through its own code, else AutoModelForCausalLM)."""
         release = ref if isinstance(ref, Release) else resolve_release(ref, revision)
-        if os.environ.get("BLAZE_QUIET") == "1":
+        from clef_model.env import quiet
+
+        if quiet():
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()

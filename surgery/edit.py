@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -174,11 +173,9 @@ CACHE_LIMIT_ENV = "BLAZE_STATS_CACHE_MAX_GB"
 
 
 def _cache_limit_bytes() -> float:
-    raw = os.environ.get(CACHE_LIMIT_ENV, "").strip()
-    try:
-        return float(raw) * 1e9 if raw else 2e9
-    except ValueError:
-        raise BlazeError(f"{CACHE_LIMIT_ENV} must be a number of gigabytes (got {raw!r})") from None
+    from clef_model.env import stats_cache_max_bytes
+
+    return stats_cache_max_bytes()
 
 
 # -------------------------------------------------------------------------------------------- solve

@@ -267,7 +267,9 @@ _WIDTH_BUCKET = 64
 
 
 def _quiet() -> bool:
-    return os.environ.get("BLAZE_QUIET", "") not in ("", "0")
+    from clef_model.env import quiet
+
+    return quiet()
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:

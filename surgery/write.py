@@ -208,7 +208,9 @@ def _check_paths(base_path: Path, out: Path) -> None:
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
-    enabled = enabled and os.environ.get("BLAZE_QUIET") != "1"
+    from clef_model.env import quiet
+
+    enabled = enabled and not quiet()
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
                 dynamic_ncols=True)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +140,9 @@ def _settings(spec, opts: BuildOptions) -> dict[str, Any]:
 
 
 def _cache_file(opts: BuildOptions, runtime, spec, s: dict) -> Path:
-    root = opts.cache_dir or Path(os.environ.get("BLAZE_CACHE", Path.home() / ".cache" / "blaze")) / "statistics"
+    from clef_model.env import cache_root
+
+    root = opts.cache_dir or cache_root() / "statistics"
     key = json.dumps([str(runtime.release.path), getattr(runtime.release, "revision", None), spec.spec_hash,
                       s["layers"], s["kinds"], s["rank"], str(runtime.dtype), str(runtime.device)]
                      + ([s["positions"]] if s.get("positions", "response") != "response" else []))

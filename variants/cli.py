@@ -34,7 +34,7 @@ _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 def log_folder() -> Path:
     """Where internal-error logs go: `$BLAZE_CACHE/logs` (default `~/.cache/blaze/logs`)."""
-    from clef_model.embedded import cache_root
+    from clef_model.env import cache_root
 
     return cache_root() / "logs"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
@@ -71,6 +70,7 @@ def register(group: click.Group) -> None:
           blaze edit --behavior verbosity --out ./clef-flash-concise
           blaze edit --base smollm2 --behavior verbosity --out ./smollm2-concise --device cpu
         """
+        from clef_model.env import quiet
         from variants.build import BuildOptions, build_variant
 
         build_variant(BuildOptions(
@@ -78,5 +78,5 @@ def register(group: click.Group) -> None:
             strength=_strength(strength), layers=layers, kinds=kinds, lam=lam, threshold=threshold, device=device,
             dtype=dtype, force=force, canary=not no_canary, export_lora=export_lora,
             trust_release_code=trust_release_code, batch_size=batch_size, cache_dir=cache_dir,
-            progress=os.environ.get("BLAZE_QUIET", "") in ("", "0"),
+            progress=not quiet(),
         ), echo=lambda message: click.echo(message, err=True))

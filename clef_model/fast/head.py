@@ -123,9 +123,9 @@ def vector_head_requested(release_code: ModuleType | None) -> bool:
     9B head shapes, so any reordering lands that far from the reference (measured: max |Δp| 0.0078
     on the GPU, 0.0078 on the CPU). In float32 it agrees to 1e-4 (tests). It saves ~4 ms per request.
     """
-    import os
+    from clef_model.env import fast_head
 
-    return os.environ.get("BLAZE_FAST_HEAD", "").strip().lower() == "vector" and known_head(release_code)
+    return fast_head() == "vector" and known_head(release_code)
 
 
 def known_head(release_code: ModuleType | None) -> bool:

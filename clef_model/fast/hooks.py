@@ -26,12 +26,12 @@ def enabled(runtime: Any) -> bool:
     ``BLAZE_FAST=0`` turns them off, ``BLAZE_FAST=1`` turns them on on any device (tests use this on the
     CPU); by default they run on CUDA only, for Qwen3.5 backbones.
     """
-    import os
+    from clef_model.env import fast
 
-    setting = os.environ.get("BLAZE_FAST", "auto").strip().lower()
-    if setting in ("0", "off", "false", "no"):
+    setting = fast()
+    if setting is False:
         return False
-    if setting not in ("1", "on", "true", "yes") and getattr(runtime, "device", torch.device("cpu")).type != "cuda":
+    if setting is None and getattr(runtime, "device", torch.device("cpu")).type != "cuda":
         return False
     cached = runtime.__dict__.get("_fast_supported")
     if cached is None:
@@ -90,9 +90,9 @@ def _give_up(runtime: Any, what: str, error: Exception) -> None:
 
 def compile_requested() -> bool:
     """Whether ``BLAZE_FAST_COMPILE=1`` asks for the compiled SystemOne backbone (faster, not bit-compatible)."""
-    import os
+    from clef_model.env import fast_compile
 
-    return os.environ.get("BLAZE_FAST_COMPILE", "").strip().lower() in ("1", "on", "true", "yes")
+    return fast_compile()
 
 
 def compiled_engine(model: torch.nn.Module) -> QwenEngine:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from clef_model.env import cache_root
 from scripts.bench.common import (
     Bench,
     free_gpu,
@@ -193,5 +193,5 @@ def _build_base(bench: Bench, base: Path, out: dict[str, Any]) -> None:
         bench.say(f"base hashed once in {out['base_hash_s']}s (recorded in the hash cache)")
     else:
         # the same edit again in the same process: JIT caches warm, statistics recomputed
-        shutil.rmtree(Path(os.environ.get("BLAZE_CACHE", Path.home() / ".cache" / "blaze")) / "statistics",
+        shutil.rmtree(cache_root() / "statistics",
                       ignore_errors=True)
