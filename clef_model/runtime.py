@@ -21,6 +21,7 @@ import torch
 from clef_model import fast as _fast  # optional fast paths (issue 6); each hook falls back to the reference
 from clef_model.backbone import text_decoder
 from clef_model.errors import BlazeError, ReleaseError
+from clef_model.files import JOINT_HEAD
 from clef_model.release import Release, resolve_release
 from clef_model.trust import load_release_code
 
@@ -454,9 +455,27 @@ def _check_weight_files(release: Release) -> None:
     from clef_model.checkpoint import CheckpointReader, read_header
 
     CheckpointReader(release.path)
-    head = release.path / "joint_head.safetensors"
+    head = release.path / JOINT_HEAD
     if release.kind == "clef" and head.is_file():
         read_header(head)
+        _check_head_finite(head)
+
+
+def _check_head_finite(head) -> None:
+    """Refuse a joint head holding NaN or infinite values: every decision would be NaN (or an error later).
+
+    The head is small next to the backbone (it is read again by the release loader, from the page cache).
+    """
+    import numpy as np
+
+    from clef_model.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(head)
+    for name in reader.names():
+        if reader.dtype(name) in ("F64", "F32", "F16", "BF16") and not np.isfinite(
+                reader.array(name).astype(np.float32)).all():
+            raise ReleaseError(f"{head}: tensor {name!r} holds NaN or infinite values, so every typed decision "
+                               "would be NaN; the joint head is damaged. Re-download the release (or the variant).")
 
 
 def _load_failure(release: Release, error: BaseException) -> str:

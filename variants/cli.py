@@ -39,10 +39,11 @@ def log_folder() -> Path:
     return cache_root() / "logs"
 
 
-def write_error_log(error: BaseException) -> Path | None:
+def write_error_log(error: BaseException, argv: list[str] | None = None) -> Path | None:
     """Write the traceback of `error` (with the command line) to a new log file; None if it cannot be written."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    text = (f"blaze {' '.join(sys.argv[1:])}\n{stamp} pid {os.getpid()}\n\n"
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    text = (f"blaze {command}\n{stamp} pid {os.getpid()}\n\n"
             + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
     try:
         folder = log_folder()
@@ -84,6 +85,10 @@ def _os_error_message(error: OSError) -> str | None:
 class _Group(click.Group):
     """Maps every failure to the exit-code contract; no raw traceback unless `--debug`."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:  # noqa: D102
+        ctx.meta["blaze.argv"] = list(args)  # the command line, for the internal-error log
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):  # noqa: D102
         debug = bool(ctx.params.get("debug"))
         try:
@@ -101,17 +106,17 @@ class _Group(click.Group):
         except OSError as error:
             message = _os_error_message(error)
             if message is None:
-                self._internal(error, debug)
+                self._internal(error, debug, ctx.meta.get("blaze.argv"))
             if debug:
                 traceback.print_exc()
             click.echo(f"error: {message}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except Exception as error:  # noqa: BLE001 - the one place internal errors are reported
-            self._internal(error, debug)
+            self._internal(error, debug, ctx.meta.get("blaze.argv"))
 
     @staticmethod
-    def _internal(error: BaseException, debug: bool) -> None:
-        log = write_error_log(error)
+    def _internal(error: BaseException, debug: bool, argv: list[str] | None) -> None:
+        log = write_error_log(error, argv)
         if debug:
             traceback.print_exc()
         summary = str(error).splitlines()[0] if str(error) else ""
