@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clef_model.errors import BlazeError, ReleaseError
+from clef_model.files import INDEX_FILE, SINGLE_FILE
 from clef_model.outputs import atomic_output  # noqa: F401 - re-exported: every writer's import point
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+INDEX_NAME = INDEX_FILE  # (names kept: every reader imports them from here)
+SINGLE_NAME = SINGLE_FILE
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
 _COPY_CHUNK = 16 * 1024 * 1024

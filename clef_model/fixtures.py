@@ -31,6 +31,7 @@ import torch
 
 from clef_model.checkpoint import ShardedWriter, atomic_output, copy_file, dtype_name
 from clef_model.errors import BlazeError
+from clef_model.files import JOINT_HEAD
 from clef_model.trust import RELEASE_CODE_FILE, import_release_code_file, vendored_release_code
 
 PRESETS = ("tiny", "9b")
@@ -470,7 +471,7 @@ def _write_head(folder: Path, head_config: dict, seed: int, release_code: Path) 
         for name, tensor in head.state_dict().items():
             writer.add_tensor(name, tensor.detach().float().contiguous())
         writer.close()
-    (folder / ".joint_head" / "model-00001-of-00001.safetensors").rename(folder / "joint_head.safetensors")
+    (folder / ".joint_head" / "model-00001-of-00001.safetensors").rename(folder / JOINT_HEAD)
     shutil.rmtree(folder / ".joint_head")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from clef_model.checkpoint import INDEX_NAME, SINGLE_NAME
 from clef_model.errors import ReleaseError
+from clef_model.files import JOINT_HEAD, RELEASE_CODE
 
 DEFAULT_BASE = "Cloudflare/clef-flash"
 EMBEDDED_NAME = "smollm2"
@@ -31,9 +32,9 @@ RELEASE_PATTERNS = [
 ]
 
 CLEF_REQUIRED = [
-    "joint_head.safetensors",
+    JOINT_HEAD,
     "joint_head_config.json",
-    "joint_schema_model.py",
+    RELEASE_CODE,
 ]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json"]
 PROCESSOR_ANY = ["processor_config.json", "preprocessor_config.json"]

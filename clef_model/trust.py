@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 
 from clef_model.checkpoint import sha256_file
 from clef_model.errors import ReleaseError, UntrustedCodeError
+from clef_model.files import RELEASE_CODE
 
 if TYPE_CHECKING:
     from clef_model.release import Release
 
-RELEASE_CODE_FILE = "joint_schema_model.py"
+RELEASE_CODE_FILE = RELEASE_CODE
 
 KNOWN_RELEASE_CODE: dict[str, str] = {
     "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3": (

@@ -48,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clef_model.checkpoint import CheckpointReader, sha256_file  # noqa: E402
+from clef_model.files import INDEX_FILE  # noqa: E402
+from clef_model.manifest import read_manifest  # noqa: E402
 from clef_model.release import resolve_release  # noqa: E402
 from surgery.delta import PatchArrays, base_identity  # noqa: E402
 
@@ -93,7 +95,7 @@ def make_hub_layout(folder: Path, hub: Path) -> Path:
     repo = hub / HUB_REPO
     revision = hashlib.sha1(b"blaze-bench").hexdigest()
     snapshot = repo / "snapshots" / revision
-    if snapshot.is_dir() and (snapshot / "model.safetensors.index.json").exists():
+    if snapshot.is_dir() and (snapshot / INDEX_FILE).exists():
         return snapshot
     shutil.rmtree(repo, ignore_errors=True)
     (repo / "blobs").mkdir(parents=True)
@@ -202,8 +204,7 @@ def check_output(base: Path, out: Path, patch: PatchArrays) -> dict:
     assert all(a.raw_bytes(n) == b.raw_bytes(n) for n in untouched)
     first = sorted(edited)[0]
     assert a.raw_bytes(first) != b.raw_bytes(first)
-    manifest = json.loads((out / "blaze_manifest.json").read_text())
-    return {"edited": len(manifest["matrices"]), "checked_untouched": len(untouched)}
+    return {"edited": len(read_manifest(out).matrices), "checked_untouched": len(untouched)}
 
 
 def load_average() -> str:
@@ -233,7 +234,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     folder = work / "base-9b"
     started = time.perf_counter()
-    if not (folder / "model.safetensors.index.json").is_file():
+    if not (folder / INDEX_FILE).is_file():
         shutil.rmtree(work / "hub", ignore_errors=True)
         build_base(folder, args.num_layers)
     build_seconds = time.perf_counter() - started

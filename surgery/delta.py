@@ -40,8 +40,7 @@ from clef_model.checkpoint import (
     save_tensors,
 )
 from clef_model.errors import BlazeError
-
-PATCH_FILE = "blaze_delta.safetensors"
+from clef_model.files import PATCH_FILE
 
 
 class BaseMismatchError(BlazeError):

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from clef_model.errors import BlazeError
+from clef_model.files import CANARY_JSON, CANARY_MD
 
 DATA_DIR = Path(__file__).parent / "data"
-CANARY_JSON = "blaze_canary.json"
-CANARY_MD = "blaze_canary.md"
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from clef_model.env import cache_root
+from clef_model.files import INDEX_FILE
 from scripts.bench.common import (
     Bench,
     free_gpu,
@@ -180,7 +181,7 @@ def _build_base(bench: Bench, base: Path, out: dict[str, Any]) -> None:
     from clef_model.fixtures import build_fixture
 
     options = bench.options
-    if not (base / "model.safetensors.index.json").exists():
+    if not (base / INDEX_FILE).exists():
         _, dt = timed(lambda: build_fixture(base, options.preset, num_layers=options.num_layers, force=True,
                                             progress=False))
         out["fixture_build_s"] = round(dt, 1)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from clef_model.files import RELEASE_CODE
 from scripts.bench.common import Bench, timed
 
 
@@ -71,7 +72,7 @@ def load_random9b(bench: Bench) -> Loaded:
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in fixtures.SPECIAL_TOKENS}
     config, head_config = fixtures._configs("9b", None, ids)  # type: ignore[arg-type]  # the builder's 9b shapes
     config["vision_config"].update(depth=1)  # the text path never runs the vision tower
-    code = import_release_code_file(tiny / "joint_schema_model.py")
+    code = import_release_code_file(tiny / RELEASE_CODE)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
