@@ -551,3 +551,60 @@ def test_apply_trusts_recorded_shard_hashes_of_a_hub_base(base, tmp_path, monkey
     result = runner.invoke(main, ["apply", str(patch_file), "--base", str(other), "--out", str(tmp_path / "b")])
     assert result.exit_code == 2 and "different values" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_patch_editing_tensors_its_identity_does_not_list_is_refused(base, tmp_path):
+    """A patch whose recorded base identity covers some tensors, with an extra edit (embed-like) smuggled in:
+    nothing would check that tensor's base values, so apply refuses it and names the tensor."""
+    patch = _patch(base)
+    reader = CheckpointReader(base.path)
+    extra = next(n[: -len(".weight")] for n in reader.names() if "embed_tokens" in n)
+    rows, cols = reader.shape(f"{extra}.weight")
+    patch.factors[extra] = (torch.zeros(rows, 1), torch.zeros(cols, 1))
+    patch.save(tmp_path / "smuggled.safetensors")
+    result = CliRunner().invoke(main, ["apply", str(tmp_path / "smuggled.safetensors"), "--base", str(base.path),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "does not list" in result.output and f"{extra}.weight" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_patch_factor_is_blamed_on_the_patch(base, tmp_path):
+    patch = _patch(base)
+    name = patch.names()[0]
+    u, v = patch.factors[name]
+    u = u.clone()
+    u[0, 0] = float("nan")
+    patch.factors[name] = (u, v)
+    patch.save(tmp_path / "nan.safetensors")
+    result = CliRunner().invoke(main, ["apply", str(tmp_path / "nan.safetensors"), "--base", str(base.path),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "the patch" in result.output and f"{name}.U holds NaN" in result.output
+    assert "base was not the problem" in result.output and not (tmp_path / "out").exists()
+
+
+def test_matrix_names_with_weight_suffix_are_refused_clearly(base, tmp_path):
+    from clef_model.checkpoint import save_tensors
+
+    from surgery.delta import PATCH_FORMAT
+
+    name = _patch(base).names()[0]
+
+    save_tensors(tmp_path / "suffixed.safetensors", {f"{name}.weight.U": torch.zeros(4, 1),
+                                                     f"{name}.weight.V": torch.zeros(4, 1)},
+                 {"blaze_format": PATCH_FORMAT})
+    result = CliRunner().invoke(main, ["apply", str(tmp_path / "suffixed.safetensors"), "--base", str(base.path),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "`.weight` suffix" in result.output
+    assert "weight.weight" not in result.output
+
+
+def test_cli_force_never_deletes_a_folder_blaze_did_not_write(base, variant, tmp_path):
+    out, _ = variant
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    result = CliRunner().invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(base.path), "--out", str(mine),
+                                       "--force"])
+    assert result.exit_code == 2 and "not written by blaze" in result.output
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"] and (mine / "thesis.tex").read_text() == "years of work"
