@@ -270,3 +270,35 @@ def test_wrong_hashes_name_the_files_not_a_cause(variant: Path):
     for name in wrong:
         assert f"{name}: SHA-256 differs from the manifest's" in result.output
     assert "changed after the edit" not in result.output
+
+
+def test_blaze_canary_report_is_bound_to_its_variant(tiny_release: Path, tmp_path: Path):
+    """`blaze canary --json` records the variant's manifest SHA-256; publish accepts it there and nowhere else."""
+    import shutil
+
+    from canaries.integrity import manifest_sha256
+    from canaries.suites import default_decision_suite
+
+    folder = make_variant(tiny_release, tmp_path / "variant", canary=None)
+    chat, requests = tmp_path / "chat.jsonl", tmp_path / "requests.jsonl"
+    chat.write_text(json.dumps({"prompt": "What is the speed of light?", "keywords": ["299"]}) + "\n")
+    request = {k: v for k, v in default_decision_suite()[0].items() if k != "images"}
+    requests.write_text(json.dumps(request) + "\n")
+    ran = CliRunner().invoke(main, [
+        "canary", str(folder), "--against", str(tiny_release), "--suite", str(chat), "--suite", str(requests),
+        "--max-new-tokens", "4", "--damage-tokens", "4", "--device", "cpu", "--no-prompted", "--effect", "none",
+        "--max-first-token-kl", "10", "--max-mean-token-kl", "10", "--max-decision-drift", "1",
+        "--max-argmax-flips", "100", "--json", str(folder / "blaze_canary.json"),
+        "--markdown", str(folder / "blaze_canary.md")], catch_exceptions=False)
+    assert ran.exit_code == 0, ran.output
+    report = json.loads((folder / "blaze_canary.json").read_text())
+    assert report["meta"]["variant_manifest_sha256"] == manifest_sha256(folder)
+    assert verify_variant(folder).problems == []
+
+    other = make_variant(tiny_release, tmp_path / "other", canary=None)
+    manifest = json.loads((other / "blaze_manifest.json").read_text())
+    manifest["edit"]["rank"] = 2  # another variant's manifest
+    (other / "blaze_manifest.json").write_text(json.dumps(manifest))
+    for name in ("blaze_canary.json", "blaze_canary.md"):
+        shutil.copyfile(folder / name, other / name)
+    assert any("belongs to other weights" in p for p in verify_variant(other).problems)
