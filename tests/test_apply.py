@@ -608,3 +608,28 @@ def test_cli_force_never_deletes_a_folder_blaze_did_not_write(base, variant, tmp
                                        "--force"])
     assert result.exit_code == 2 and "not written by blaze" in result.output
     assert [p.name for p in mine.iterdir()] == ["thesis.tex"] and (mine / "thesis.tex").read_text() == "years of work"
+
+
+def test_first_write_and_rerun_give_identical_patch_and_manifest(tiny_release, tmp_path, monkeypatch):
+    """With the hash cache on, the first edit fills it and the rerun finds it warm: the patch (its recorded
+    base identity) and the manifest must not change with that (issue 14)."""
+    import time
+
+    monkeypatch.setenv("BLAZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "1")
+    local = tmp_path / "base"
+    shutil.copytree(tiny_release, local)
+    past = time.time_ns() - 3600 * 10**9  # an old download: its cache entries are not "racy"
+    for path in local.iterdir():
+        os.utime(path, ns=(past, past))
+    release = resolve_release(local)
+    outputs = []
+    for run in ("first", "rerun"):
+        patch = _patch(release)  # base identity taken now: cold cache on the first run, warm on the rerun
+        out = write_variant(release, patch, tmp_path / run, progress=False)
+        outputs.append(((out / PATCH_FILE).read_bytes(), (out / MANIFEST_FILE).read_bytes()))
+    from clef_model.filehash import known_sha256
+
+    assert all(known_sha256(p) for p in local.glob("model-*.safetensors"))  # the rerun did see a warm cache
+    assert outputs[0][0] == outputs[1][0]
+    assert outputs[0][1] == outputs[1][1]
