@@ -208,8 +208,8 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
 
     problems = []
     if base.kind == "clef" or variant.kind == "clef":
-        for label, entry, file in (("joint head", joint_head, JOINT_HEAD), ("release code", release_code, RELEASE_CODE)):
-            if entry is None or not entry["equal"]:
+        for label, hashes, file in (("joint head", joint_head, JOINT_HEAD), ("release code", release_code, RELEASE_CODE)):
+            if hashes is None or not hashes["equal"]:
                 problems.append(f"{label} ({file}) differs from the base")
     for name, entry in files.items():
         if name not in (JOINT_HEAD, RELEASE_CODE) and not entry["equal"]:

@@ -240,6 +240,9 @@ def _decision_section(report: dict[str, Any] | None, is_clef: bool) -> list[str]
                    f"{summary.get('mean_abs_delta', 0):.4f}, argmax flips {summary.get('argmax_flips', 0)}. "
                    f"Typed-decision inference {verdict}.")
         out.append("")
+    from canaries.decision_eval import card_lines  # issue 13: the labelled decision eval, rendered there
+
+    out += card_lines(decisions.get("eval"))
     return out
 
 
@@ -316,7 +319,7 @@ def _usage_section(repo: str, is_clef: bool) -> list[str]:
     if is_clef:
         return [
             "## Usage", "",
-            f"A drop-in replacement for the base: same files, same loader, same joint head. Typed decisions "
+            "A drop-in replacement for the base: same files, same loader, same joint head. Typed decisions "
             "through the release's own code:", "",
             "```python",
             "import sys",

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 from canaries.integrity import report_manifest_sha256, side_file_integrity
 from clef_model import env
@@ -140,7 +141,8 @@ def _check_report(report: dict[str, Any], manifest: Manifest | None, result: Ver
         result.problems.append("the canary gate did not pass"
                                + (f" (failed: {', '.join(map(str, failed))})" if failed else ""))
     integrity = report.get("integrity")
-    verdict = integrity.get("passed") if isinstance(integrity, dict) else None
+    integrity = integrity if isinstance(integrity, dict) else {}
+    verdict = integrity.get("passed")
     if verdict is False:
         problems = integrity.get("problems") or ["see report"]
         result.problems.append("the canary integrity check failed: " + "; ".join(map(str, problems)))
@@ -178,7 +180,7 @@ def verify_variant(variant_dir: Path) -> Verification:
     return result
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
