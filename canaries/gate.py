@@ -1,42 +1,105 @@
 """The pass/fail gate: thresholds on effect size, damage, degeneration, decision drift, quality and integrity.
 
-Threshold names and meanings are those of a behaviour spec's `gate` section (docs/BEHAVIORS.md); defaults here
-apply when no behaviour is named. Degeneration rates are *new* cases: prompts where the variant loops / runs to
-the token limit / answers empty while the base did not. First-token KL is the mean over the neutral prompts.
+:class:`Thresholds` is the one definition of the gate's bounds: a behaviour spec's ``gate`` section is parsed
+into it (same key names, docs/BEHAVIORS.md), and the ``--max-*``/``--min-*`` flags of ``blaze edit`` and
+``blaze canary`` are generated from its fields. Its defaults apply when no behaviour is named (no effect is
+measured then). Degeneration rates are *new* cases: prompts where the variant loops / runs to the token limit /
+answers empty while the base did not. First-token KL is the mean over the neutral prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from clef_model.errors import BlazeError
 
-DEFAULT_THRESHOLDS: dict[str, Any] = {
-    "effect": "none",             # "length_cut" | "quality_gain" | "none"
-    "min_effect": 0.0,
-    "max_first_token_kl": 0.1,
-    "max_mean_token_kl": 0.2,
-    "max_loop_rate": 0.0,
-    "max_limit_rate": 0.1,
-    "max_empty_rate": 0.0,
-    "max_decision_drift": 0.05,
-    "max_argmax_flips": 0,
-    "min_quality_ratio": 0.95,
-}
 EFFECTS = ("length_cut", "quality_gain", "none")
 
 
-def resolve_thresholds(*layers: dict[str, Any] | None) -> dict[str, Any]:
-    """Defaults, then each layer in turn (behaviour spec `gate`, then command-line overrides); None values skip."""
-    thresholds = dict(DEFAULT_THRESHOLDS)
+def _doc(text: str) -> dict[str, str]:
+    """Field metadata: the help text of the field's command-line flag."""
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Bounds of the gate. Field metadata ``help`` is the text of the matching command-line flag."""
+
+    effect: str = field(default="none", metadata={"help": "Which effect the gate measures.", "choices": EFFECTS})
+    min_effect: float = field(default=0.0, metadata=_doc(
+        "Smallest effect size to pass (e.g. relative length cut 0.25)."))
+    max_first_token_kl: float = field(default=0.1, metadata=_doc(
+        "Largest mean first-token KL(base‖variant) on neutral prompts."))
+    max_mean_token_kl: float = field(default=0.2, metadata=_doc(
+        "Largest mean per-token KL over the base's continuations."))
+    max_loop_rate: float = field(default=0.0, metadata=_doc(
+        "Largest share of prompts where only the variant loops."))
+    max_limit_rate: float = field(default=0.1, metadata=_doc(
+        "Largest share of prompts where only the variant hits the token limit."))
+    max_empty_rate: float = field(default=0.0, metadata=_doc(
+        "Largest share of prompts where only the variant answers empty."))
+    max_decision_drift: float = field(default=0.05, metadata=_doc("Largest |Δp| over the typed-decision suite."))
+    max_argmax_flips: int = field(default=0, metadata=_doc(
+        "Most typed-decision questions whose chosen option may change."))
+    min_quality_ratio: float = field(default=0.95, metadata=_doc("Variant keyword hits must be ≥ this × base hits."))
+
+    def __post_init__(self) -> None:
+        problems = threshold_problems(dataclasses.asdict(self))
+        if problems:
+            raise BlazeError("invalid gate thresholds: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with the spec file's key names (the report's ``gate.thresholds``)."""
+        return dataclasses.asdict(self)
+
+    def updated(self, overrides: Mapping[str, Any] | None) -> Thresholds:
+        """A copy with ``overrides`` applied (``None`` values skipped); unknown names are refused."""
+        changes = dict(overrides or {})
+        unknown = sorted(set(changes) - set(THRESHOLD_FIELDS))
+        if unknown:
+            raise BlazeError(f"unknown gate threshold {unknown[0]!r}; known: {', '.join(sorted(THRESHOLD_FIELDS))}")
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+THRESHOLD_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Thresholds)}
+
+
+def threshold_problems(values: Mapping[str, Any]) -> list[str]:
+    """Problems of threshold values, one ``name: problem`` each (empty when all are valid).
+
+    ``effect`` must name a known effect; integer fields take integers; every bound is a finite number ≥ 0.
+    Used by :class:`Thresholds` itself and by the spec validator, so both name the same problems.
+    """
+    problems = []
+    for name, value in values.items():
+        if name not in THRESHOLD_FIELDS:
+            continue
+        if name == "effect":
+            if value not in EFFECTS:
+                problems.append(f"{name}: must be one of {', '.join(map(repr, EFFECTS))}, got {value!r}")
+            continue
+        integer = THRESHOLD_FIELDS[name].type in ("int", int)
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            problems.append(f"{name}: must be {'an integer' if integer else 'a number'}, got {value!r}")
+        elif not math.isfinite(value):
+            problems.append(f"{name}: must be finite")
+        elif value < 0:
+            problems.append(f"{name}: must be ≥ 0, got {value}")
+    return problems
+
+
+def resolve_thresholds(*layers: Thresholds | Mapping[str, Any] | None) -> Thresholds:
+    """Defaults, then each layer in turn (a behaviour spec's gate, then command-line overrides); None values skip.
+
+    A :class:`Thresholds` layer replaces everything before it; a mapping changes only the names it holds.
+    """
+    thresholds = Thresholds()
     for layer in layers:
-        for key, value in (layer or {}).items():
-            if key not in DEFAULT_THRESHOLDS:
-                raise BlazeError(f"unknown gate threshold {key!r}; known: {', '.join(sorted(DEFAULT_THRESHOLDS))}")
-            if value is not None:
-                thresholds[key] = value
-    if thresholds["effect"] not in EFFECTS:
-        raise BlazeError(f"gate effect must be one of {', '.join(EFFECTS)}, got {thresholds['effect']!r}")
+        thresholds = layer if isinstance(layer, Thresholds) else thresholds.updated(layer)
     return thresholds
 
 
@@ -45,41 +108,44 @@ def _check(name: str, value: Any, op: str, threshold: Any, detail: str) -> dict[
     return {"name": name, "value": value, "op": op, "threshold": threshold, "passed": bool(passed), "detail": detail}
 
 
-def evaluate(report: dict[str, Any], thresholds: dict[str, Any]) -> dict[str, Any]:
-    """Gate checks over a report's sections; `passed` is True when every check passed."""
+def evaluate(report: dict[str, Any], thresholds: Thresholds | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Gate checks over a report's sections; `passed` is True when every check passed.
+
+    ``thresholds``: a :class:`Thresholds`, or a mapping of some of its fields over the defaults.
+    """
     t = resolve_thresholds(thresholds)
     checks = []
     free = report["freeform"]["summary"]
-    if t["effect"] == "length_cut":
-        checks.append(_check("effect", free["length_cut"], ">=", t["min_effect"],
+    if t.effect == "length_cut":
+        checks.append(_check("effect", free["length_cut"], ">=", t.min_effect,
                              "relative cut of mean answer length (tokens) on the behaviour prompts"))
-    elif t["effect"] == "quality_gain":
-        checks.append(_check("effect", free["quality"]["gain"], ">=", t["min_effect"],
+    elif t.effect == "quality_gain":
+        checks.append(_check("effect", free["quality"]["gain"], ">=", t.min_effect,
                              "share of behaviour prompts gaining a keyword hit"))
     damage = report["damage"]["summary"]
-    checks.append(_check("first_token_kl", damage["first_token_kl"]["mean"], "<=", t["max_first_token_kl"],
+    checks.append(_check("first_token_kl", damage["first_token_kl"]["mean"], "<=", t.max_first_token_kl,
                          "mean KL(base‖variant) of the first token on neutral prompts"))
-    checks.append(_check("mean_token_kl", damage["mean_token_kl"], "<=", t["max_mean_token_kl"],
+    checks.append(_check("mean_token_kl", damage["mean_token_kl"], "<=", t.max_mean_token_kl,
                          "mean per-token KL over the base's greedy continuation"))
-    checks.append(_check("loops", free["loop_rate"]["new"], "<=", t["max_loop_rate"],
+    checks.append(_check("loops", free["loop_rate"]["new"], "<=", t.max_loop_rate,
                          "share of prompts where only the variant loops"))
-    checks.append(_check("limit", free["hit_limit_rate"]["new"], "<=", t["max_limit_rate"],
+    checks.append(_check("limit", free["hit_limit_rate"]["new"], "<=", t.max_limit_rate,
                          "share of prompts where only the variant runs to the token limit"))
-    checks.append(_check("empty", free["empty_rate"]["new"], "<=", t["max_empty_rate"],
+    checks.append(_check("empty", free["empty_rate"]["new"], "<=", t.max_empty_rate,
                          "share of prompts where only the variant answers empty"))
     decisions = report["decisions"]
     if decisions.get("applicable"):
-        checks.append(_check("decision_drift", decisions["summary"]["max_abs_delta"], "<=", t["max_decision_drift"],
+        checks.append(_check("decision_drift", decisions["summary"]["max_abs_delta"], "<=", t.max_decision_drift,
                              "largest |Δp| over every option of the typed-decision suite"))
-        checks.append(_check("argmax_flips", decisions["summary"]["argmax_flips"], "<=", t["max_argmax_flips"],
+        checks.append(_check("argmax_flips", decisions["summary"]["argmax_flips"], "<=", t.max_argmax_flips,
                              "questions whose chosen option changed"))
     quality = free["quality"]
     if quality["gated"] and quality["ratio"] is not None:
-        checks.append(_check("quality", quality["ratio"], ">=", t["min_quality_ratio"],
+        checks.append(_check("quality", quality["ratio"], ">=", t.min_quality_ratio,
                              f"variant keyword hits / base hits ({quality['check']})"))
     integrity = report.get("integrity")
     if integrity:
         checks.append(_check("integrity", bool(integrity["passed"]), "==", True,
                              "joint head and release code identical, only expected tensors changed"))
-    return {"passed": all(c["passed"] for c in checks), "thresholds": t, "checks": checks,
+    return {"passed": all(c["passed"] for c in checks), "thresholds": t.to_dict(), "checks": checks,
             "failed": [c["name"] for c in checks if not c["passed"]]}

@@ -181,12 +181,13 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
     `freeform_prompts`: `{"prompt", "keywords"?, "avoid"?, "source"?}` items (see `freeform_suite`; the effect is
     measured on items with source "behavior" when any). `decision_requests`: SystemOne requests with optional
     `labels`; None means `default_decision_suite()`; ignored for plain causal LMs (the section then says it does
-    not apply). `neutral_prompts`/`neutral_texts`: None means the shipped suites. `thresholds`: a behaviour
-    spec's gate dict (defaults in `canaries.gate.DEFAULT_THRESHOLDS`). `integrity`: a `check_integrity` result
-    to include and gate on. `base_cache` (+ `base_key` naming the base) reuses the base side across calls, e.g.
-    a `MemoryCache` across the points of a strength sweep. `prompted_system`: also run the base under this
-    system prompt (the spec's wanted one) on the effect items and report the prompted ceiling
-    (`canaries.prompted`); None (the default, as in search points) skips that run. The cache keeps it too.
+    not apply). `neutral_prompts`/`neutral_texts`: None means the shipped suites. `thresholds`: a
+    `canaries.gate.Thresholds` (a behaviour spec's gate), or a mapping of some of its fields over the defaults.
+    `integrity`: a `check_integrity` result to include and gate on. `base_cache` (+ `base_key` naming the base)
+    reuses the base side across calls, e.g. a `MemoryCache` across the points of a strength sweep.
+    `prompted_system`: also run the base under this system prompt (the spec's wanted one) on the effect items
+    and report the prompted ceiling (`canaries.prompted`); None (the default, as in search points) skips that
+    run. The cache keeps it too.
     """
     is_clef = bool(getattr(base.runtime, "is_clef", False)) and bool(getattr(variant.runtime, "is_clef", False))
     suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, is_clef)

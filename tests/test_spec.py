@@ -106,6 +106,10 @@ def _broken(mutate) -> str:
     (lambda d: d["defaults"].__setitem__("rank", 0), "defaults.rank: must be ≥ 1"),
     (lambda d: d["defaults"].__setitem__("method", "magic"), "defaults.method: must be one of"),
     (lambda d: d["gate"].__setitem__("max_first_token_kl", True), "gate.max_first_token_kl: must be a number"),
+    (lambda d: d["gate"].__setitem__("max_loop_rate", float("inf")), "gate.max_loop_rate: must be finite"),
+    (lambda d: d["gate"].__setitem__("max_argmax_flips", 1.5), "gate.max_argmax_flips: must be an integer"),
+    (lambda d: d["gate"].__setitem__("effect", "vibes"), "gate.effect: must be one of"),
+    (lambda d: d["gate"].__setitem__("max_kl", 1), "gate.max_kl: unknown key"),
     (lambda d: d.__setitem__("quality", "vibes"), "quality: must be one of"),
     (lambda d: d.__setitem__("version", 1.5), "version: must be an integer"),
     (lambda d: d.__setitem__("name", "Bad Name"), "name: must match"),
@@ -239,3 +243,39 @@ def test_cli_behaviors_show_reports_field_errors(tmp_path):
     result = CliRunner().invoke(main, ["behaviors", "show", str(_write(tmp_path, data))])
     assert result.exit_code == 2
     assert "directions[0].pairs.train[0].wanted: missing or empty" in result.output
+
+
+def test_gate_is_the_canary_thresholds_with_spec_defaults(tmp_path):
+    """One Thresholds type: the spec's gate overrides only what the file names; the rest are the canary's
+    defaults, except the effect a behaviour measures by default (a 25 % length cut)."""
+    from canaries.gate import Thresholds, resolve_thresholds
+    from clef_model.errors import BlazeError
+
+    spec = load_behavior(_write(tmp_path, TINY))
+    assert isinstance(spec.gate, Thresholds)
+    assert spec.gate.min_effect == 0.3 and spec.gate.effect == "length_cut"
+    assert spec.gate.max_mean_token_kl == Thresholds().max_mean_token_kl
+    no_gate = {k: v for k, v in TINY.items() if k != "gate"}
+    assert load_behavior(_write(tmp_path, no_gate)).gate == Thresholds(effect="length_cut", min_effect=0.25)
+    assert resolve_thresholds(spec.gate, {"max_loop_rate": 0.1, "min_effect": None}).max_loop_rate == 0.1
+    assert resolve_thresholds(spec.gate, {"min_effect": None}).min_effect == 0.3
+    with pytest.raises(BlazeError, match="max_first_token_kl: must be finite"):
+        Thresholds(max_first_token_kl=float("nan"))
+
+
+def test_canary_threshold_flags_come_from_thresholds():
+    """Every Thresholds field is a flag of `blaze canary` and `blaze edit`; bad numbers are usage errors."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from canaries.gate import Thresholds
+    from variants.cli import main
+
+    for command in ("canary",):
+        text = CliRunner().invoke(main, [command, "--help"]).output
+        for f in dataclasses.fields(Thresholds):
+            assert "--" + f.name.replace("_", "-") in text, (command, f.name)
+    for bad in ("nan", "inf", "-0.5", "lots"):
+        result = CliRunner().invoke(main, ["canary", "x", "--max-mean-token-kl", bad])
+        assert result.exit_code == 2 and "--max-mean-token-kl" in result.output, bad

@@ -13,18 +13,8 @@ from typing import Any
 
 import click
 
-THRESHOLD_OPTIONS = [
-    ("--min-effect", "min_effect", float, "Smallest effect size to pass (e.g. relative length cut 0.25)."),
-    ("--effect", "effect", click.Choice(["length_cut", "quality_gain", "none"]), "Which effect the gate measures."),
-    ("--max-first-token-kl", "max_first_token_kl", float, "Largest mean first-token KL(base‖variant) on neutral prompts."),
-    ("--max-mean-token-kl", "max_mean_token_kl", float, "Largest mean per-token KL over the base's continuations."),
-    ("--max-loop-rate", "max_loop_rate", float, "Largest share of prompts where only the variant loops."),
-    ("--max-limit-rate", "max_limit_rate", float, "Largest share of prompts where only the variant hits the token limit."),
-    ("--max-empty-rate", "max_empty_rate", float, "Largest share of prompts where only the variant answers empty."),
-    ("--max-decision-drift", "max_decision_drift", float, "Largest |Δp| over the typed-decision suite."),
-    ("--max-argmax-flips", "max_argmax_flips", int, "Most typed-decision questions whose chosen option may change."),
-    ("--min-quality-ratio", "min_quality_ratio", float, "Variant keyword hits must be ≥ this × base hits."),
-]
+from canaries.gate import Thresholds
+from variants.cli_options import dataclass_options
 
 
 def _fits_together(variant, base, device: str) -> bool:
@@ -51,7 +41,8 @@ def _json_default(value: Any) -> Any:
 def run_command(variant_ref: str, against: str | None, behavior: str | None, suite: tuple[Path, ...],
                 json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
                 trust_release_code: bool, batch_size: int, mode: str, integrity: bool,
-                overrides: dict[str, Any], damage_tokens: int = 32, prompted: bool = True) -> dict[str, Any]:
+                overrides: dict[str, Any], damage_tokens: int = 32, prompted: bool = True,
+                decisions_eval: Path | None = None) -> dict[str, Any]:
     """Resolve both releases, check integrity, run the canaries and write the reports; returns the report.
 
     `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling)."""
@@ -67,6 +58,11 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     from clef_model.runtime import Runtime
 
     variant_release = resolve_release(variant_ref)
+    eval_records = None
+    if decisions_eval is not None:  # checked before any compute: a bad record exits 2 naming its line
+        from canaries.decision_eval import load_eval_file
+
+        eval_records = load_eval_file(decisions_eval)
     manifest = find_manifest(Path(variant_release.path))  # a base release has none
     weights = manifest_sha256(Path(variant_release.path))  # binds the report to these weights (blaze publish)
     base_release = resolve_release(against or (manifest.base.ref if manifest else None) or DEFAULT_BASE)
@@ -88,7 +84,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
         else:
             decision_requests = (decision_requests or []) + items
     freeform = freeform_suite(behavior_items, general=general)
-    thresholds = {**(spec.gate.to_dict() if spec else {}), **{k: v for k, v in overrides.items() if v is not None}}
+    thresholds = (spec.gate if spec else Thresholds()).updated(overrides)
     if max_new_tokens is None:
         max_new_tokens = spec.defaults.max_new_tokens if spec else 96
     quality = spec.quality if spec else None
@@ -119,6 +115,13 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                                 base_cache=DiskCache(), base_key=f"{release_fingerprint(Path(base_release.path))}|"
                                                                  f"{device}", base_is_clef=base_release.kind == "clef",
                                 **common)
+    if eval_records is not None:
+        from canaries.decision_eval import run_eval
+
+        click.echo(f"labelled decision eval: {len(eval_records)} records from {decisions_eval} …", err=True)
+        report["decisions"]["eval"] = run_eval(
+            decisions_eval, eval_records, lambda: base_rt if together else load(base_release, "base"),
+            lambda: variant_rt if together else load(variant_release, "variant"), batch_size).to_dict()
     report["meta"].update({"variant": variant_release.ref, "base": base_release.ref, REPORT_MANIFEST_KEY: weights,
                            "behavior": spec.name if spec else None, "mode": "together" if together else "sequential"})
     print_report(report, echo=lambda line: click.echo(line))
@@ -161,8 +164,12 @@ def register(group: click.Group) -> None:
                   help="Skip the prompted ceiling (the base asked with the behaviour's wanted system prompt).")
     @click.option("--trust-release-code", is_flag=True,
                   help="Run release code whose SHA-256 is not on blaze's allowlist.")
+    @click.option("--decisions-eval", "decisions_eval", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                  help="Labelled decision eval (JSONL: SystemOne requests plus \"labels\" {question: option}): "
+                       "accuracy, macro-F1, NLL, Brier, ECE, coverage at 99 % precision and confidence of both "
+                       "models, |Δp|, flips and the noise floor, under decisions.eval.")
     def canary(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, damage_tokens, batch_size,
-               device, mode, no_integrity, no_prompted, trust_release_code, **overrides):
+               device, mode, no_integrity, no_prompted, trust_release_code, decisions_eval, **overrides):
         """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
 
         \b
@@ -172,9 +179,7 @@ def register(group: click.Group) -> None:
         """
         report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
                              trust_release_code, batch_size, mode, not no_integrity, overrides,
-                             damage_tokens=damage_tokens, prompted=not no_prompted)
+                             damage_tokens=damage_tokens, prompted=not no_prompted, decisions_eval=decisions_eval)
         sys.exit(0 if report["gate"]["passed"] else 1)
 
-    for flag, name, kind, text in reversed(THRESHOLD_OPTIONS):
-        canary = click.option(flag, name, type=kind, default=None, help=text)(canary)
-    group.command("canary")(canary)
+    group.command("canary")(dataclass_options(Thresholds)(canary))

@@ -12,6 +12,7 @@ catalogue is held to the sizes by its own test.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -20,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
+from canaries.gate import THRESHOLD_FIELDS, Thresholds, threshold_problems
 from clef_model.errors import BlazeError
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
@@ -27,7 +29,6 @@ ROLES = ("system", "user", "assistant")
 METHODS = ("steer", "ablate", "nullspace")
 QUALITIES = ("keywords", "no_cave")
 STANCES = ("pushback", "user_right")
-EFFECTS = ("length_cut", "quality_gain", "none")
 SPLITS = ("train", "validation")
 
 
@@ -136,24 +137,9 @@ class Defaults:
         }
 
 
-@dataclass(frozen=True)
-class Gate:
-    """Pass/fail thresholds for the canary gate of this behaviour."""
-
-    min_effect: float = 0.25
-    effect: str = "length_cut"
-    max_first_token_kl: float = 0.1
-    max_mean_token_kl: float = 0.2
-    max_loop_rate: float = 0.0
-    max_limit_rate: float = 0.1
-    max_empty_rate: float = 0.0
-    max_decision_drift: float = 0.05
-    max_argmax_flips: int = 0
-    min_quality_ratio: float = 0.95
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of thresholds (the ``thresholds`` argument of ``canaries.run.run_canary``)."""
-        return {name: getattr(self, name) for name in _GATE_FIELDS}
+SPEC_GATE = Thresholds(effect="length_cut", min_effect=0.25)
+"""A behaviour's gate where its spec leaves a bound out: the canary's defaults (``canaries.gate.Thresholds``)
+with a 25 % length cut as the effect, the behaviour most specs ask for."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +154,7 @@ class BehaviorSpec:
     preserve: tuple[PromptValue, ...] = ()
     quality: str | None = None
     defaults: Defaults = field(default_factory=Defaults)
-    gate: Gate = field(default_factory=Gate)
+    gate: Thresholds = SPEC_GATE
     notes: str | None = None
     spec_hash: str = ""
     source: str = ""  # where it was loaded from (file path or "<dict>"); not part of the hash
@@ -226,8 +212,6 @@ def _direction_pairs(direction: Direction) -> list[dict[str, Any]]:
         for p in direction.pairs.train
     ]
 
-
-_GATE_FIELDS = tuple(f for f in Gate.__dataclass_fields__)
 
 # --------------------------------------------------------------------------------------------------
 # Loading
@@ -492,21 +476,15 @@ class _Validator:
             return Defaults()  # errors recorded; the value is never returned to a caller
         return Defaults(**out)
 
-    def gate(self, value: Any) -> Gate:
-        raw = self.obj(value, "gate", (), _GATE_FIELDS)
+    def gate(self, value: Any) -> Thresholds:
+        raw = self.obj(value, "gate", (), tuple(THRESHOLD_FIELDS))
         if raw is None:
-            return Gate()
-        out: dict[str, Any] = {}
-        for key in raw:
-            if key not in _GATE_FIELDS:
-                continue
-            if key == "effect":
-                out[key] = self.choice(raw[key], "gate.effect", EFFECTS)
-            else:
-                out[key] = self.number(raw[key], f"gate.{key}", minimum=0, integer=key == "max_argmax_flips")
-        if any(v is None for v in out.values()):
-            return Gate()
-        return Gate(**out)
+            return SPEC_GATE
+        known = {key: raw[key] for key in raw if key in THRESHOLD_FIELDS}
+        problems = threshold_problems(known)
+        for problem in problems:
+            self.errors.append(f"gate.{problem}")
+        return SPEC_GATE if problems else dataclasses.replace(SPEC_GATE, **known)
 
     def spec(self, data: Any) -> BehaviorSpec | None:
         raw = self.obj(data, "", ("name", "version", "description", "directions", "heldout"),
