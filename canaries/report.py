@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from canaries import decision_eval
+
 
 def _fmt(value: Any, digits: int = 3) -> str:
     if value is None:
@@ -167,6 +169,8 @@ def print_report(report: dict[str, Any], echo=click.echo) -> None:
             echo(f"{request['id']}: " + "; ".join(request["lines"]))
         if len(decisions["requests"]) > 6:
             echo(f"… {len(decisions['requests']) - 6} more requests in the JSON report")
+        if decisions.get("eval"):
+            echo(decision_eval.summary_line(decisions["eval"]) or "")
     else:
         echo(f"typed decisions: {decisions.get('reason', 'not run')}")
     echo("")
@@ -234,6 +238,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                        + "; ".join(f"`{line}`" for line in request["lines"]))
     else:
         out.append(f"Typed-decision canaries: {decisions.get('reason', 'not run')}.")
+    out += ["", *decision_eval.markdown(decisions.get("eval"), heading="###")] if decisions.get("eval") else []
     out += ["", "### Integrity", ""] + [f"- {line}" for line in _integrity_lines(report.get("integrity"))]
     out += ["", "### Gate", "", "| check | value | threshold | passed |", "|---|---|---|---|"]
     out += [f"| {c['name']} | {_fmt(c['value'], 4)} | {c['op']} {_fmt(c['threshold'], 4)} | "

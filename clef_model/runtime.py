@@ -22,6 +22,7 @@ from clef_model import fast as _fast  # optional fast paths (issue 6); each hook
 from clef_model.backbone import text_decoder
 from clef_model.errors import BlazeError, ReleaseError
 from clef_model.files import JOINT_HEAD
+from clef_model.images import resolve_request_images
 from clef_model.release import Release, resolve_release
 from clef_model.trust import load_release_code
 
@@ -200,6 +201,7 @@ class Runtime:
         encoded = []
         for index, request in enumerate(requests):
             validate_request(request)
+            request = resolve_request_images(request)  # [issue 13/14: clef_model/images.py] no fetch offline
             record = code.encode_record(self.tokenizer, request, max_length=max_length, processor=self.processor)
             if len(record.input_ids) >= max_length:
                 self._warn_if_state_cut(code, request, record, max_length, index)

@@ -1,0 +1,130 @@
+"""The labelled decision eval (canaries/decision_eval.py), the image resolution of requests (clef_model/images.py)
+and the synthetic decision data (clef_model/decision_data.py): fast, no model needed except where marked."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from canaries import decision_eval as de
+from clef_model.decision_data import QUESTIONS, generate
+from clef_model.decision_fixture import data_uri, photo_png
+from clef_model.errors import BlazeError
+from clef_model.images import resolve_request_images
+
+REQUEST = {"model": "clef-flash", "state": {"invoice": {"status": "overdue"}},
+           "questions": {"status": {"type": "choice", "criteria": {"paid": "p", "overdue": "o", "draft": "d"}},
+                         "late": {"type": "noul"}}}
+
+
+def _write(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "eval.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_loader_normalises_labels_and_resolves_relative_images(tmp_path):
+    (tmp_path / "a.png").write_bytes(photo_png(1))
+    record = dict(REQUEST, labels={"status": "overdue", "late": True}, images=["a.png"], note="ignored")
+    records = de.load_eval_file(_write(tmp_path, ["# comment", json.dumps(record)]))
+    assert len(records) == 1 and records[0].line == 2
+    assert records[0].labels == {"status": "overdue", "late": "true"}
+    assert records[0].request["images"] == [str(tmp_path / "a.png")]
+    assert "note" not in records[0].request and "labels" not in records[0].request
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps(dict(REQUEST)), "needs 'labels'"),
+    (json.dumps(dict(REQUEST, labels={"nope": "paid"})), "unknown question 'nope'"),
+    (json.dumps(dict(REQUEST, labels={"status": "refunded"})), "labels.status"),
+    (json.dumps(dict(REQUEST, labels={"late": "maybe"})), "labels.late"),
+    (json.dumps({"model": "m", "state": {}, "questions": [], "labels": {}}), "questions"),
+])
+def test_a_bad_record_names_its_line(tmp_path, bad, needle):
+    good = json.dumps(dict(REQUEST, labels={"status": "paid"}))
+    path = _write(tmp_path, [good, good, bad])
+    with pytest.raises(BlazeError) as info:
+        de.load_eval_file(path)
+    assert f"{path}:3" in str(info.value) and needle in str(info.value)
+
+
+def test_metrics_follow_clef_finetune_definitions():
+    records = [de.EvalRecord(1, REQUEST, {"status": "overdue", "late": "true"}),
+               de.EvalRecord(2, REQUEST, {"status": "paid", "late": "false"})]
+    probs = [{"status": {"draft": 0.1, "overdue": 0.8, "paid": 0.1}, "late": {"true": 0.9, "false": 0.1}},
+             {"status": {"draft": 0.2, "overdue": 0.5, "paid": 0.3}, "late": {"true": 0.4, "false": 0.6}}]
+    m = de.metrics(records, probs)
+    assert m.questions == 4
+    assert m.accuracy == pytest.approx(3 / 4)
+    assert m.nll == pytest.approx(-(math.log(0.8) + math.log(0.9) + math.log(0.3) + math.log(0.6)) / 4)
+    brier = ((0.01 + 0.04 + 0.01) + (0.01 + 0.01) + (0.04 + 0.25 + 0.49) + (0.16 + 0.16)) / 4
+    assert m.brier == pytest.approx(brier)
+    assert m.mean_confidence == pytest.approx((0.8 + 0.9 + 0.5 + 0.6) / 4)
+    # per-question macro-F1, averaged: status (overdue right, paid→overdue wrong) and late (both right)
+    f1_status = (2 * 1 / (2 * 1 + 1 + 0) + 0.0) / 2  # class overdue: tp 1, fp 1; class paid: fn 1
+    assert m.macro_f1 == pytest.approx((f1_status + 1.0) / 2)
+    # coverage at 99 % precision: the top-2 confidences (0.9, 0.8) are right, 0.6 right, 0.5 wrong -> 3/4
+    assert m.coverage_at_99 == pytest.approx(3 / 4)
+
+
+def test_compare_counts_drift_flips_and_lines():
+    records = [de.EvalRecord(1, REQUEST, {"status": "overdue"})]
+    base = [{"status": {"draft": 0.1, "overdue": 0.8, "paid": 0.1}, "late": {"true": 0.9, "false": 0.1}}]
+    variant = [{"status": {"draft": 0.1, "overdue": 0.78, "paid": 0.12}, "late": {"true": 0.3, "false": 0.7}}]
+    result = de.compare("x.jsonl", records, base, variant, None)
+    assert result.flips == 1 and result.max_abs_delta == pytest.approx(0.6)
+    data = result.to_dict()
+    assert data["base"]["accuracy"] == 1.0 and data["records"] == 1
+    assert "status: picks overdue at 0.780 confidence (vanilla: 0.800)" in data["examples"][0]
+    text = "\n".join(de.markdown(data))
+    assert "| accuracy | 1.0000 | 1.0000 |" in text and "changed: **1**" in text
+
+
+def test_images_resolve_from_data_uri_and_path(tmp_path):
+    (tmp_path / "p.png").write_bytes(photo_png(2))
+    out = resolve_request_images(dict(REQUEST, images=[data_uri(photo_png(3)), str(tmp_path / "p.png")]))
+    assert [image.size for image in out["images"]] == [(96, 64), (96, 64)]
+    assert resolve_request_images(dict(REQUEST)) == REQUEST
+
+
+@pytest.mark.parametrize("images, needle", [
+    ("a.png", "must be a list"),
+    ([3], "images[0]: must be a file path"),
+    (["missing.png"], "not found"),
+    (["data:image/png;base64,!!!"], "not valid base64"),
+    (["data:text/plain,hello"], "data:image/png;base64"),
+    (["data:image/png;base64," + "aGVsbG8="], "not a readable image"),
+])
+def test_bad_images_are_clear_errors(images, needle):
+    with pytest.raises(BlazeError) as info:
+        resolve_request_images(dict(REQUEST, images=images))
+    assert needle in str(info.value)
+
+
+def test_image_urls_are_refused_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BlazeError, match="HF_HUB_OFFLINE=1"):
+        resolve_request_images(dict(REQUEST, images=["https://example.com/receipt.png"]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert resolve_request_images(dict(REQUEST, images=["https://example.com/r.png"]))["images"] == [
+        "https://example.com/r.png"]
+
+
+def test_decision_data_is_seeded_labelled_and_split():
+    train, again = generate(60, seed=0, heldout=False), generate(60, seed=0, heldout=False)
+    heldout = generate(60, seed=0, heldout=True)
+    assert train == again and train != generate(60, seed=1, heldout=False)
+    assert not {json.dumps(r["state"], sort_keys=True) for r in train} & {json.dumps(r["state"], sort_keys=True)
+                                                                          for r in heldout}
+    types = {QUESTIONS[qid]["type"] for r in train for qid in r["questions"]}
+    assert types == {"choice", "score", "noul"}
+    for record in train + heldout:
+        assert record["labels"] and set(record["labels"]) == set(record["questions"])
+        de._check_record(record, "x:1")  # every generated record passes the eval loader's checks
+    phrasings = {q["instructions"] for r in train for q in r["questions"].values()}
+    assert len(phrasings) >= 2 * len(QUESTIONS)
