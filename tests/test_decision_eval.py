@@ -128,3 +128,38 @@ def test_decision_data_is_seeded_labelled_and_split():
         de._check_record(record, "x:1")  # every generated record passes the eval loader's checks
     phrasings = {q["instructions"] for r in train for q in r["questions"].values()}
     assert len(phrasings) >= 2 * len(QUESTIONS)
+
+
+def test_image_requests_run_through_the_release_and_urls_exit_2_offline(tiny_release, tiny_runtime, tmp_path):
+    """A data: URI and a file path image run end to end; an https image is refused (exit 2) under HF_HUB_OFFLINE."""
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    (tmp_path / "p.png").write_bytes(photo_png(5))
+    with_uri = dict(REQUEST, images=[data_uri(photo_png(4))])
+    with_path = dict(REQUEST, images=[str(tmp_path / "p.png")])
+    plain, by_uri, by_path = tiny_runtime.decision_probabilities([REQUEST, with_uri, with_path])
+    assert by_uri["status"] != plain["status"]  # the image tokens reached the model
+    assert sum(by_path["status"].values()) == pytest.approx(1.0)
+    request = tmp_path / "url.json"
+    request.write_text(json.dumps(dict(REQUEST, images=["https://example.com/receipt.png"])))
+    result = CliRunner().invoke(main, ["systemone", str(tiny_release), str(request)])
+    assert result.exit_code == 2, result.output
+    assert "HF_HUB_OFFLINE=1" in result.output and "Traceback" not in result.output
+    request.write_text(json.dumps(dict(REQUEST, images=[12])))
+    result = CliRunner().invoke(main, ["systemone", str(tiny_release), str(request)])
+    assert result.exit_code == 2 and "images[0]" in result.output and "Traceback" not in result.output
+
+
+def test_canary_names_the_bad_line_of_a_decisions_eval_file(tiny_release, tmp_path):
+    from click.testing import CliRunner
+
+    from variants.cli import main
+
+    path = _write(tmp_path, [json.dumps(dict(REQUEST, labels={"status": "paid"})),
+                             json.dumps(dict(REQUEST, labels={"status": 7}))])
+    result = CliRunner().invoke(main, ["canary", str(tiny_release), "--against", str(tiny_release), "--no-integrity",
+                                       "--decisions-eval", str(path)])
+    assert result.exit_code == 2, result.output
+    assert f"{path}:2" in result.output and "labels.status" in result.output
