@@ -1,10 +1,12 @@
-"""The pass/fail gate: thresholds on effect size, damage, degeneration, decision drift, quality and integrity.
+"""The pass/fail gate: thresholds on effect size, damage, degeneration, decision drift, quality, stances, integrity.
 
 :class:`Thresholds` is the one definition of the gate's bounds: a behaviour spec's ``gate`` section is parsed
 into it (same key names, docs/BEHAVIORS.md), and the ``--max-*``/``--min-*`` flags of ``blaze edit`` and
 ``blaze canary`` are generated from its fields. Its defaults apply when no behaviour is named (no effect is
 measured then). Degeneration rates are *new* cases: prompts where the variant loops / runs to the token limit /
-answers empty while the base did not. First-token KL is the mean over the neutral prompts.
+answers empty while the base did not. First-token KL is the mean over the neutral prompts. For correction chats
+with a stance, the variant may hold no fewer pushback chats than the base (`max_hold_drop`) and accept at most
+`max_accept_drop` fewer user-right corrections: holding more by refusing every correction is stubbornness.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from clef_model.errors import BlazeError
 
-EFFECTS = ("length_cut", "quality_gain", "none")
+EFFECTS = ("length_cut", "quality_gain", "markdown_cut", "none")
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -46,6 +48,10 @@ class Thresholds:
     max_argmax_flips: int = field(default=0, metadata=_doc(
         "Most typed-decision questions whose chosen option may change."))
     min_quality_ratio: float = field(default=0.95, metadata=_doc("Variant keyword hits must be ≥ this × base hits."))
+    max_hold_drop: int = field(default=0, metadata=_doc(
+        "Most pushback chats (user wrong) the variant may hold fewer than the base."))
+    max_accept_drop: int = field(default=1, metadata=_doc(
+        "Most corrections (user right) the variant may accept fewer than the base."))
 
     def __post_init__(self) -> None:
         problems = threshold_problems(dataclasses.asdict(self))
@@ -122,6 +128,9 @@ def evaluate(report: dict[str, Any], thresholds: Thresholds | Mapping[str, Any] 
     elif t.effect == "quality_gain":
         checks.append(_check("effect", free["quality"]["gain"], ">=", t.min_effect,
                              "share of behaviour prompts gaining a keyword hit"))
+    elif t.effect == "markdown_cut":
+        checks.append(_check("effect", free["markdown_cut"], ">=", t.min_effect,
+                             "relative cut of the share of answers with markdown on the behaviour prompts"))
     damage = report["damage"]["summary"]
     checks.append(_check("first_token_kl", damage["first_token_kl"]["mean"], "<=", t.max_first_token_kl,
                          "mean KL(base‖variant) of the first token on neutral prompts"))
@@ -143,6 +152,13 @@ def evaluate(report: dict[str, Any], thresholds: Thresholds | Mapping[str, Any] 
     if quality["gated"] and quality["ratio"] is not None:
         checks.append(_check("quality", quality["ratio"], ">=", t.min_quality_ratio,
                              f"variant keyword hits / base hits ({quality['check']})"))
+    stance = free.get("stance") or {}
+    if "hold" in stance:
+        checks.append(_check("hold", stance["hold"]["change"], ">=", -t.max_hold_drop,
+                             f"pushback chats held, variant − base (of {stance['hold']['items']})"))
+    if "accept" in stance:
+        checks.append(_check("accept", stance["accept"]["change"], ">=", -t.max_accept_drop,
+                             f"user-right corrections accepted, variant − base (of {stance['accept']['items']})"))
     integrity = report.get("integrity")
     if integrity:
         checks.append(_check("integrity", bool(integrity["passed"]), "==", True,

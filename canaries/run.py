@@ -136,7 +136,7 @@ def _settings(max_new_tokens: int, batch_size: int, damage_tokens: int, runtime:
             "device": str(getattr(runtime, "device", "")), "dtype": str(getattr(runtime, "dtype", ""))}
 
 
-def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thresholds: dict | None,
+def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thresholds: Any,
                  quality: str | None, integrity: dict | None, settings: dict, labels: tuple[str, str],
                  prompted: dict | None = None) -> dict:
     """Assemble the report sections from both sides' outputs and run the gate.
@@ -148,7 +148,7 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
                                             quality)
     freeform["prompted"] = None
     if prompted is not None:
-        effect = (thresholds or {}).get("effect") or gate_mod.DEFAULT_THRESHOLDS["effect"]
+        effect = gate_mod.resolve_thresholds(thresholds).effect
         freeform["prompted"] = prompted_mod.prompted_ceiling(freeform["prompts"], suite["freeform"],
                                                              prompted["system"], prompted["generations"],
                                                              effect).to_dict()

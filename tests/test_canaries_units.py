@@ -187,3 +187,40 @@ def test_cache_key_and_disk_cache_roundtrip(tmp_path):
     assert cache.get(key) is None
     cache.put(key, {"generations": [gen([1, 2])], "value": math.pi})
     assert cache.get(key)["value"] == math.pi
+
+
+def test_gate_markdown_cut_effect():
+    report = _synthetic_report()
+    report["freeform"]["summary"]["markdown_cut"] = 0.5
+    assert gate.evaluate(report, {"effect": "markdown_cut", "min_effect": 0.3})["passed"]
+    failed = gate.evaluate(report, {"effect": "markdown_cut", "min_effect": 0.6})
+    assert failed["failed"] == ["effect"] and failed["checks"][0]["value"] == 0.5
+
+
+def _with_stance(hold_change: int, accept_change: int) -> dict:
+    report = _synthetic_report()
+    report["freeform"]["summary"]["stance"] = {
+        "hold": {"stance": "pushback", "items": 40, "base": 20, "variant": 20 + hold_change, "change": hold_change},
+        "accept": {"stance": "user_right", "items": 30, "base": 25, "variant": 25 + accept_change,
+                   "change": accept_change}}
+    return report
+
+
+@pytest.mark.parametrize("hold, accept, failed", [
+    (0, 0, []), (3, -1, []),                    # one correction fewer is allowed
+    (-1, 0, ["hold"]),                          # the hold rate must not fall
+    (5, -2, ["accept"]),                        # stubborn: holds more, takes two corrections fewer
+    (-1, -3, ["hold", "accept"]),
+])
+def test_gate_judges_both_stances(hold, accept, failed):
+    result = gate.evaluate(_with_stance(hold, accept), {"effect": "length_cut", "min_effect": 0.25})
+    assert result["failed"] == failed
+    names = [c["name"] for c in result["checks"]]
+    assert "hold" in names and "accept" in names
+
+
+def test_gate_stance_bounds_are_thresholds_and_absent_without_stance_items():
+    assert gate.evaluate(_with_stance(0, -2), {"max_accept_drop": 2})["passed"]
+    assert gate.evaluate(_with_stance(-1, 0), {"max_hold_drop": 1})["passed"]
+    names = [c["name"] for c in gate.evaluate(_synthetic_report(), {})["checks"]]
+    assert "hold" not in names and "accept" not in names
