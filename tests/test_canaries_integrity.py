@@ -101,3 +101,21 @@ def test_variant_written_by_surgery_passes_with_its_manifest(tiny_release, tmp_p
     result = check_integrity(variant, tiny_release)
     assert result["passed"], result["problems"]
     assert [(c["name"], c["rank"]) for c in result["changed_tensors"]] == [(WRITERS[0], 2)]
+
+
+def test_side_file_integrity_from_the_manifest_alone():
+    from canaries.integrity import side_file_integrity
+    from clef_model.manifest import BaseInfo, Manifest, OutputInfo, freeze
+
+    base = {"config.json": "a" * 64, "joint_head.safetensors": "b" * 64, "joint_schema_model.py": "c" * 64,
+            "model-00001-of-00001.safetensors": "d" * 64, "README.md": "e" * 64}
+    same = Manifest(base=BaseInfo(files=freeze(base)),
+                    output=OutputInfo(files=freeze({**base, "model-00001-of-00001.safetensors": "f" * 64})))
+    assert side_file_integrity(same) == (True, [])  # weights and the card may differ
+    changed = Manifest(base=same.base, output=OutputInfo(files=freeze({**base, "config.json": "0" * 64})))
+    assert side_file_integrity(changed) == (False, ["config.json: differs from the base's (SHA-256)"])
+    missing = Manifest(base=same.base, output=OutputInfo(files=freeze(
+        {k: v for k, v in base.items() if k != "joint_schema_model.py"})))
+    ok, problems = side_file_integrity(missing)
+    assert not ok and "joint_schema_model.py: in the base but not in the variant" in problems
+    assert side_file_integrity(Manifest())[0] is False

@@ -302,3 +302,14 @@ def test_blaze_canary_report_is_bound_to_its_variant(tiny_release: Path, tmp_pat
     for name in ("blaze_canary.json", "blaze_canary.md"):
         shutil.copyfile(folder / name, other / name)
     assert any("belongs to other weights" in p for p in verify_variant(other).problems)
+
+
+def test_damaged_manifest_is_a_clear_refusal(variant: Path):
+    manifest = json.loads((variant / "blaze_manifest.json").read_text())
+    manifest["blaze_manifest"] = 2
+    (variant / "blaze_manifest.json").write_text(json.dumps(manifest))
+    newer = _publish(str(variant), "--repo", "you/concise", "--dry-run")
+    assert newer.exit_code == 2 and "written by a newer blaze" in newer.output and "Traceback" not in newer.output
+    (variant / "blaze_manifest.json").write_text("{broken")
+    broken = _publish(str(variant), "--repo", "you/concise", "--dry-run")
+    assert broken.exit_code == 2 and "is not valid JSON" in broken.output and "Traceback" not in broken.output
