@@ -119,9 +119,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         bench.write()
     print(bench.results.to_markdown())
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(f"run it as a module from the repository root: python -m scripts.bench {' '.join(sys.argv[1:])}")
