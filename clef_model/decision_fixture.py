@@ -71,7 +71,9 @@ class TrainSettings:
 
 
 def _quiet() -> bool:
-    return os.environ.get("BLAZE_QUIET") == "1"
+    from clef_model.env import quiet
+
+    return quiet()
 
 
 def _log(message: str) -> None:
