@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from clef_model.checkpoint import INDEX_NAME
@@ -252,9 +252,25 @@ _request = st.fixed_dictionaries(
                   | st.lists(_question, max_size=2) | _json,
                   "id": _json})
 
+_valid_question = (
+    st.fixed_dictionaries({"type": st.just("noul")},
+                          optional={"criteria": st.dictionaries(st.sampled_from(["true", "false"]), _json),
+                                    "instructions": _json})
+    | st.fixed_dictionaries({"type": st.just("choice"),
+                             "criteria": st.dictionaries(st.text(max_size=6), _json, min_size=1, max_size=4)},
+                            optional={"instructions": _json})
+    | st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(_json, min_size=1, max_size=4)},
+                            optional={"instructions": _json}))
+# mostly well-formed requests with one thing at a time going wrong, so both outcomes are well exercised
+_near_valid = st.fixed_dictionaries(
+    {"model": st.text(max_size=8), "state": _json,
+     "questions": st.dictionaries(st.text(max_size=6), _valid_question, min_size=1, max_size=3)
+     | st.dictionaries(st.text(max_size=6), _valid_question | _question, min_size=1, max_size=3)},
+    optional={"id": _json})
+
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(request=_request | _json)
+@given(request=_near_valid | _request | _json)
 def test_request_validation_fuzzed(tiny_runtime, request):
     """≥ 500 generated requests: each is refused with the clean RequestError, or encodes without error."""
     from clef_model.runtime import RequestError, validate_request
@@ -263,5 +279,7 @@ def test_request_validation_fuzzed(tiny_runtime, request):
         validate_request(request)
     except RequestError as error:
         assert str(error)
+        event("refused")
         return
     tiny_runtime.encode_requests([request])  # what validation let through, the release's encoder accepts
+    event("encoded")
