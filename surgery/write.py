@@ -268,7 +268,7 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: np.ndarray, v: np.nda
         if tensor_hash is not None:
             tensor_hash.stop()
     if expect_sha256 is not None and digest != expect_sha256:
-        raise BaseMismatchError(f"{name}.weight has different values than in the base the patch was made from "
+        raise BaseMismatchError(f"{name} has different values than in the base the patch was made from "
                                 f"(SHA-256 {digest[:12]}…, patch made on {expect_sha256[:12]}…); nothing was written.")
     stats["weight_norm"] = update.weight_sq**0.5
     stats["base_sha256"] = digest

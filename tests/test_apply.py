@@ -255,6 +255,7 @@ def test_cli_apply_checks_base_identity(base, variant, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(other), "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "different values" in result.output and "--force" in result.output
+    assert f"{name} has different values" in result.output and "weight.weight" not in result.output
     assert not (tmp_path / "x").exists()
     result = runner.invoke(main, ["apply", str(out / PATCH_FILE), "--base", str(other), "--out", str(tmp_path / "x"),
                                   "--force"])
