@@ -24,15 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from clef_model.errors import RequestError
 
 _URL_PREFIXES = ("http://", "https://")
-
-
-def RequestError(message: str) -> Exception:  # noqa: N802 - builds the runtime's RequestError (import cycle)
-    """The runtime's `RequestError` (a BlazeError and a ValueError: exit code 2) with `message`."""
-    from clef_model.runtime import RequestError as _RequestError
-
-    return _RequestError(message)
 
 
 def offline() -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from clef_model import fast as _fast  # optional fast paths (issue 6); each hook falls back to the reference
 from clef_model.backbone import text_decoder
-from clef_model.errors import BlazeError, ReleaseError
+from clef_model.errors import BlazeError, ReleaseError, RequestError  # RequestError: re-exported here
 from clef_model.files import JOINT_HEAD
 from clef_model.images import resolve_request_images
 from clef_model.release import Release, resolve_release
@@ -48,14 +48,6 @@ def default_device() -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA, float32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-class RequestError(BlazeError, ValueError):
-    """A SystemOne request that the release would refuse or choke on; the message names the field.
-
-    A ValueError too, so code written against the release's own `systemone` (which raises ValueError)
-    keeps working; a BlazeError, so the CLI reports it as bad input (exit 2).
-    """
 
 
 _QUESTION_TYPES = ("noul", "choice", "score")
