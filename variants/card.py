@@ -47,7 +47,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def lookup(data: dict[str, Any] | None, *paths: str, default: Any = None) -> Any:
+def lookup(data: Mapping[str, Any] | None, *paths: str, default: Any = None) -> Any:
     """The first value found along dotted paths (``"base.ref"``), else ``default``."""
     for path in paths:
         node: Any = data
@@ -205,7 +205,7 @@ def _shift_section(report: dict[str, Any] | None) -> list[str]:
         if "variant" in rate:
             out.append(f"- {label.capitalize()}: vanilla {rate.get('base', 0):.0%}, variant {rate['variant']:.0%}")
     damage = lookup(report, "damage")
-    first_kl = lookup(damage, "summary.first_token_kl.mean", "first_token_kl.mean", "first_token_kl")
+    first_kl = lookup(damage, "summary.first_token_kl.mean")  # canaries.damage's summary
     if isinstance(first_kl, (int, float)):
         out.append(f"- First-token KL(base ‖ variant) on neutral prompts: {first_kl:.4f}")
     out.append("")
@@ -381,7 +381,7 @@ def _integrity_section(variant_dir: Path, manifest: Manifest | None, report: dic
         elif name != DELTA and is_clef:
             out.append(f"- `{name}` ({label}): missing from the folder")
     integrity = lookup(report, "integrity")
-    passed = lookup(integrity, "passed", "ok") if isinstance(integrity, dict) else None
+    passed = integrity.get("passed") if isinstance(integrity, dict) else None
     if passed is not None:
         out.append(f"- Canary integrity check against the base (joint head, release code, side files, only the "
                    f"edited tensors changed): {'passed' if passed else 'FAILED'}")
