@@ -71,7 +71,10 @@ def principal_directions(differences: torch.Tensor, rank: int) -> torch.Tensor:
     d = differences.double()
     n, dim = d.shape
     if rank > min(n, dim):
-        raise BlazeError(f"rank {rank} is more than the {n} contrast pairs can support: lower --rank")
+        limit = min(n, dim)
+        cause = f"{n} contrast pairs" if n <= dim else f"the {dim}-wide activations of these layers"
+        raise BlazeError(f"rank {rank} is above the limit of {limit} here (set by {cause}): use --rank {limit} "
+                         "or lower")
     mean = d.mean(0)
     norm = mean.norm()
     if norm == 0:

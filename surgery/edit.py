@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,13 @@ from surgery import directions as dirs
 from surgery import solvers
 from surgery.directions import ContrastPair
 from surgery.statistics import PreserveSet, Statistics, collect
-from surgery.targets import WRITERS, parse_kinds, parse_layers, resolve_targets, split_name
+from surgery.targets import (
+    WRITERS,
+    parse_kinds,
+    parse_layers,
+    resolve_targets,
+    split_name,
+)
 
 WeightSource = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
 LayerKernel = Mapping[int, float] | Callable[[int], float] | None
@@ -325,17 +332,41 @@ def solve_factors(
     return SolveResult(factors, info)
 
 
+@dataclass(frozen=True)
+class SolveSettings:
+    """The numbers of one closed-form solve (see :func:`solve_factors`); checked on construction, so a NaN or
+    an infinity never reaches the algebra (a NaN λ would silently switch preservation off)."""
+
+    method: str = "steer"
+    strength: float = 0.15
+    rank: int = 1
+    lam: float = 1.0
+    threshold: float = 0.01
+    mu: float = 1e-3
+    layer_kernel: LayerKernel = None
+
+    def __post_init__(self) -> None:
+        if self.method not in solvers.METHODS:
+            raise BlazeError(f"unknown method {self.method!r}: use one of {', '.join(solvers.METHODS)}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise BlazeError(f"--rank must be an integer ≥ 1 (got {self.rank!r})")
+        for name, value in (("strength", self.strength), ("lambda", self.lam), ("threshold", self.threshold),
+                            ("mu", self.mu)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise BlazeError(f"{name} must be a finite number ≥ 0 (got {value!r})")
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The patch metadata's record of these settings (key names as in earlier patches)."""
+        return {"method": self.method, "strength": self.strength, "rank": self.rank, "lambda": self.lam,
+                "threshold": self.threshold, "mu": self.mu}
+
+
 def solve(
     stats: Statistics,
-    method: str = "steer",
-    strength: float = 0.15,
-    rank: int = 1,
-    lam: float = 1.0,
-    threshold: float = 0.01,
-    layer_kernel: LayerKernel = None,
+    settings: SolveSettings,
     *,
     weights: WeightSource | None = None,
-    mu: float = 1e-3,
     base_identity: dict | None = None,
     metadata: dict | None = None,
     targets: Iterable[str] | None = None,
@@ -345,15 +376,18 @@ def solve(
     method, strength, rank, λ, threshold, μ, layers, kinds, per-matrix numbers and ``metadata``
     (e.g. the behaviour's ``spec_hash``). ``targets`` restricts the solve to a subset of the statistics'
     targets (e.g. only ``mlp.down_proj``) without collecting again."""
-    from surgery.patch import Patch  # the I/O module; imported here so the math stays usable alone
+    from surgery.patch import (
+        Patch,  # the I/O module; imported here so the math stays usable alone
+    )
 
-    result = solve_factors(stats, method, strength, rank, lam, threshold, layer_kernel, weights=weights, mu=mu,
-                           targets=targets, device=device)
+    s = settings
+    result = solve_factors(stats, s.method, s.strength, s.rank, s.lam, s.threshold, s.layer_kernel,
+                           weights=weights, mu=s.mu, targets=targets, device=device)
     meta = {
-        "method": method, "strength": strength, "rank": rank, "lambda": lam, "threshold": threshold, "mu": mu,
+        **s.to_metadata(),
         "layers": stats.meta.get("layers", sorted({i["layer"] for i in result.info.values()})),
         "kinds": stats.meta.get("kinds"),
-        "layer_kernel": _kernel_meta(layer_kernel, result.info),
+        "layer_kernel": _kernel_meta(s.layer_kernel, result.info),
         "seed": None,  # the edit is deterministic: no random numbers are drawn
         "statistics": {k: v for k, v in stats.meta.items() if k in (
             "n_pairs", "behaviour_tokens", "preserve_texts", "preserve_requests", "preserve_tokens",

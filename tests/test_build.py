@@ -12,7 +12,7 @@ from clef_model.checkpoint import CheckpointReader
 from clef_model.errors import BlazeError
 from surgery.manifest import read_manifest, verify_manifest
 from variants import build as build_mod
-from variants.build import BuildOptions, build_variant, sweep_strength
+from variants.build import BuildOptions, build_variant
 
 PAIRS = [
     {"prompt": "What is the boiling point of water?", "wanted": "100 °C.",
@@ -129,46 +129,6 @@ def test_refuses_non_empty_out_and_bad_layers(tiny_release, tmp_path):
     assert result.exit_code == 2
 
 
-def test_sweep_keeps_strongest_passing_point_and_stops_on_damage(monkeypatch):
-    """Selection logic of --strength auto, with canned canary reports standing in for real canary runs."""
-    verdicts = {0.05: [], 0.1: [], 0.2: ["loops"], 0.3: []}
-    seen = []
-
-    def fake_run_canary(view, base, **kwargs):
-        strength = float(view.label.split()[-1])
-        seen.append(strength)
-        failed = verdicts[strength]
-        return {"gate": {"passed": not failed, "failed": failed,
-                         "checks": [{"name": "loops", "value": 0.5 if failed else 0.0}]}}
-
-    import canaries.run
-
-    monkeypatch.setattr(canaries.run, "run_canary", fake_run_canary)
-
-    class Spec:
-        name = "x"
-        quality = None
-
-        class gate:  # noqa: N801
-            @staticmethod
-            def to_dict():
-                return {}
-
-        @staticmethod
-        def validation_items():
-            return [{"prompt": "q", "keywords": ["a"]}]
-
-    settings = {"grid": [0.05, 0.1, 0.2, 0.3], "max_new_tokens": 4}
-    best, rows = sweep_strength(object(), None, Spec, settings, solve_patch=lambda s: None, echo=lambda _m: None,
-                                progress=False)
-    assert best == 0.1 and seen == [0.05, 0.1, 0.2]          # 0.3 never tried after a damage failure
-    assert [r["passed"] for r in rows] == [True, True, False]
-    verdicts.update({0.05: ["effect"], 0.1: ["effect"], 0.2: ["effect"], 0.3: ["effect"]})
-    with pytest.raises(BlazeError, match="no strength in the grid passed"):
-        sweep_strength(object(), None, Spec, settings, solve_patch=lambda s: None, echo=lambda _m: None,
-                       progress=False)
-
-
 @pytest.mark.slow
 def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
     """--strength auto on the fixture with the real canary runner: a sweep table and a report in the folder."""
@@ -181,9 +141,13 @@ def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
     out = tmp_path / "auto"
     result = build_variant(BuildOptions(behavior=str(spec), out=out, base=str(tiny_release), device="cpu",
                                         cache_dir=tmp_path / "cache", progress=False), echo=lambda _m: None)
-    assert result.sweep and result.strength in (0.05, 0.1)
+    # effect "none": the search steps up from the grid's top (0.1) until a damage check fails, then bisects
+    assert result.search is not None and result.search.chosen is not None and result.search.passes <= 8
+    assert result.strength == result.search.chosen.point.strength
+    assert all(row.point.strength > result.strength for row in result.search.rows if row.damaged)
     manifest = read_manifest(out)
-    assert manifest.edit.strength_mode == "auto" and len(manifest.edit.sweep) >= 1
+    assert manifest.edit.strength_mode == "auto" and len(manifest.edit.sweep) == result.search.passes
+    assert manifest.edit.extra["search"]["passes"] == result.search.passes
     report = json.loads((out / build_mod.CANARY_JSON).read_text())
     assert "gate" in report and (out / build_mod.CANARY_MD).is_file()
     # integrity is checked on the written folder before it is finalised, and is part of the gate

@@ -31,23 +31,21 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     from canaries.handles import ModelView
     from canaries.run import freeform_suite, run_canary
     from clef_model.runtime import Runtime
-    from surgery.edit import collect_statistics, solve, weights_from_runtime
-    from variants.build import BuildOptions, _cache_file, _settings, contrast_pairs, preserve_set
+    from surgery.edit import SolveSettings, collect_statistics, solve, weights_from_runtime
+    from variants.build import BuildOptions, _cache_file, contrast_pairs, edit_settings, preserve_set
     from variants.spec import load_behavior
 
     rt = Runtime.load("smollm2", device="cpu", dtype=torch.float32)
     spec = load_behavior(behavior)
     opts = BuildOptions(behavior=behavior, out="unused", layers=os.environ.get("DEMO_LAYERS"),
                         rank=int(os.environ["DEMO_RANK"]) if os.environ.get("DEMO_RANK") else None)
-    s = _settings(spec, opts)
+    opts.positions = os.environ.get("DEMO_POSITIONS")
+    s = edit_settings(spec, opts, contrast_pairs(spec))
     started = time.perf_counter()
-    from variants.build import read_positions
-
-    positions = os.environ.get("DEMO_POSITIONS") or read_positions(contrast_pairs(spec))
-    s["positions"] = positions
+    positions = s.positions
     cache = _cache_file(opts, rt, spec, s)  # the same file `blaze edit` uses (scripts/demo.sh fills it)
-    stats = collect_statistics(rt, contrast_pairs(spec), preserve_set(spec, rt), s["layers"], s["kinds"],
-                               rank=s["rank"], cache=cache, echo=echo, positions=positions)
+    stats = collect_statistics(rt, contrast_pairs(spec), preserve_set(spec, rt), s.layers, s.kinds_text,
+                               rank=s.rank, cache=cache, echo=echo, positions=positions)
     echo(f"statistics ready in {time.perf_counter() - started:.0f} s; layers {stats.meta['layers']}")
     items = spec.heldout_items()[:limit]
     prompts = freeform_suite(items, general=False)
@@ -56,11 +54,12 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     rows = []
     for strength in strengths:
         subset = [n for n in stats.keys if not kinds or any(n.endswith(k) for k in kinds)]
-        patch = solve(stats, s["method"], strength, s["rank"], s["lam"], s["threshold"], weights=weights,
+        patch = solve(stats, SolveSettings(s.method, strength, s.rank, float(s.lam), float(s.threshold)),
+                      weights=weights,
                       targets=subset)
         report = run_canary(ModelView(rt, activate=lambda p=patch: p.applied(rt), label=f"strength {strength}"),
                             base, freeform_prompts=prompts, thresholds=spec.gate.to_dict(), quality=spec.quality,
-                            max_new_tokens=max_new_tokens or s["max_new_tokens"], batch_size=16, base_cache=cache,
+                            max_new_tokens=max_new_tokens or s.max_new_tokens, batch_size=16, base_cache=cache,
                             base_key="smollm2", progress=False)
         free, damage = report["freeform"]["summary"], report["damage"]["summary"]
         row = {

@@ -7,7 +7,14 @@ import torch
 
 from clef_model.errors import BlazeError
 from surgery.directions import ContrastPair
-from surgery.edit import collect_statistics, plan, solve, solve_factors, weights_from_runtime
+from surgery.edit import (
+    SolveSettings,
+    collect_statistics,
+    plan,
+    solve,
+    solve_factors,
+    weights_from_runtime,
+)
 from surgery.statistics import PreserveSet, contrast_sequences
 from surgery.targets import split_name
 
@@ -44,7 +51,7 @@ def test_plan_resolves_writers_per_layer_type(tiny_runtime):
 
 @pytest.mark.parametrize("method,k", [("steer", 1), ("steer", 2), ("nullspace", 1), ("ablate", 2)])
 def test_solve_rank_and_targets(tiny_runtime, stats, method, k):
-    patch = solve(stats, method, 0.2, k, 1.0, 0.3, weights=weights_from_runtime(tiny_runtime),
+    patch = solve(stats, SolveSettings(method, 0.2, k, 1.0, 0.3), weights=weights_from_runtime(tiny_runtime),
                   metadata={"spec_hash": "abc"})
     assert sorted(patch.names()) == sorted(stats.keys)
     for name in patch.names():
@@ -107,7 +114,7 @@ def test_strength_is_linear_and_zero_is_no_edit(stats):
 def test_readers_and_errors(tiny_runtime):
     stats = collect_statistics(tiny_runtime, PAIRS[:2], PRESERVE, "5", "mlp.up_proj")
     weights = weights_from_runtime(tiny_runtime)
-    patch = solve(stats, "steer", 0.2, 1, 1.0, weights=weights)
+    patch = solve(stats, SolveSettings("steer", 0.2, 1, 1.0), weights=weights)
     assert patch.names() == ["model.language_model.layers.5.mlp.up_proj"]
     with pytest.raises(BlazeError, match="needs its weight"):
         solve_factors(stats, "steer", 0.2)
@@ -130,3 +137,19 @@ def test_sweep_reuses_the_solve_and_matches_a_fresh_one(stats):
         assert torch.equal(swept.factors[name].U, f.U) and torch.equal(swept.factors[name].V, f.V)
     solve_factors(stats, "steer", 0.25, 1, 2.0)                           # another λ is another solve
     assert len({k for k in stats.memo if k[0] == "solve"}) == 2 * len(solved)
+
+
+def test_rank_limit_message_names_the_real_limit():
+    """A rank above the pairs' or the activations' width names that limit (issue 14: not "134 pairs")."""
+    from surgery.directions import principal_directions
+
+    with pytest.raises(BlazeError, match="rank 120 is above the limit of 16 here .set by the 16-wide activations"):
+        principal_directions(torch.randn(134, 16), 120)
+    with pytest.raises(BlazeError, match="limit of 3 here .set by 3 contrast pairs"):
+        principal_directions(torch.randn(3, 16), 5)
+
+
+def test_solve_settings_refuse_non_finite_numbers():
+    for bad in ({"lam": float("nan")}, {"lam": float("inf")}, {"strength": -1.0}, {"rank": 0}, {"method": "x"}):
+        with pytest.raises(BlazeError):
+            SolveSettings(**bad)

@@ -20,7 +20,7 @@ import torch
 
 from canaries.suites import default_decision_suite, request_bodies
 from surgery.directions import layer_directions
-from surgery.edit import collect_statistics, solve, weights_from_runtime
+from surgery.edit import SolveSettings, collect_statistics, solve, weights_from_runtime
 from surgery.statistics import PreserveSet, contrast_sequences
 from variants.build import contrast_pairs, load_preserve_chat
 from variants.spec import load_behavior
@@ -74,7 +74,7 @@ def test_preservation_term_cuts_decision_drift_at_equal_strength(tiny_runtime):
     weights = weights_from_runtime(rt)
     results = {}
     for label, lam in (("without (λ=0)", 0.0), ("with (λ=100)", 100.0)):
-        patch = solve(stats, "steer", STRENGTH, 1, lam, weights=weights)
+        patch = solve(stats, SolveSettings("steer", STRENGTH, 1, lam), weights=weights)
         with patch.applied(rt):
             drift, moved = _max_abs_delta(rt.decision_probabilities(held), base_p), effect(residuals(), base_res)
         results[label] = (drift, moved)

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from variants.spec import (BehaviorSpec, SpecError, list_behaviors, load_behavior, parse_behavior,
-                           plain_prompt, spec_hash)
+from variants.spec import (
+    BehaviorSpec,
+    SpecError,
+    list_behaviors,
+    load_behavior,
+    parse_behavior,
+    plain_prompt,
+    spec_hash,
+)
 
 TINY = {
     "name": "tiny",
@@ -272,10 +279,41 @@ def test_canary_threshold_flags_come_from_thresholds():
     from canaries.gate import Thresholds
     from variants.cli import main
 
-    for command in ("canary",):
+    for command in ("canary", "edit"):
         text = CliRunner().invoke(main, [command, "--help"]).output
         for f in dataclasses.fields(Thresholds):
             assert "--" + f.name.replace("_", "-") in text, (command, f.name)
     for bad in ("nan", "inf", "-0.5", "lots"):
         result = CliRunner().invoke(main, ["canary", "x", "--max-mean-token-kl", bad])
         assert result.exit_code == 2 and "--max-mean-token-kl" in result.output, bad
+
+
+def test_spec_name_must_match_its_file_name(tmp_path):
+    path = _write(tmp_path, TINY, name="other.json")
+    with pytest.raises(SpecError, match="must equal the file name 'other'.*rename the file to tiny.json"):
+        load_behavior(path)
+
+
+def test_edit_settings_validate_and_parse_once(tmp_path):
+    """`replace(spec.defaults, **overrides)` with checks: a NaN λ or an absurd strength never reaches a solve,
+    and the strength's message is about the strength."""
+    from clef_model.errors import BlazeError
+    from variants.spec import STRENGTH_MAX, EditSettings
+
+    spec = load_behavior(_write(tmp_path, TINY))
+    assert isinstance(spec.defaults, EditSettings) and spec.defaults.lam == 0.5 and spec.defaults.budget == 8
+    settings = spec.defaults.updated({"strength": "0.25", "kinds": "writers,mlp.up_proj", "rank": None})
+    assert settings.strength == 0.25 and settings.kinds == ("writers", "mlp.up_proj") and settings.rank == 2
+    for bad, words in (({"lam": float("nan")}, "lambda: must be a finite number"),
+                       ({"lam": -1.0}, "lambda: must be a finite number"),
+                       ({"strength": 1e30}, "strength must be 'auto' or a finite number from 0 to"),
+                       ({"strength": "strong"}, "strength must be a number or 'auto'"),
+                       ({"budget": 0}, "budget: must be an integer ≥ 1"),
+                       ({"colour": 1}, "unknown edit setting 'colour'")):
+        with pytest.raises(BlazeError, match=words):
+            spec.defaults.updated(bad)
+    assert STRENGTH_MAX >= 2
+    data = copy.deepcopy(TINY)
+    data["defaults"]["strength"] = 50
+    with pytest.raises(SpecError, match="defaults.strength: must be ≤"):
+        load_behavior(_write(tmp_path, data))

@@ -15,22 +15,30 @@ The stages, each with progress on stderr:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from clef_model.errors import BlazeError
 from clef_model.files import CANARY_JSON, CANARY_MD
+from variants.search import Point, Row, SearchResult, search
+
+if TYPE_CHECKING:
+    from canaries.gate import Thresholds
+    from variants.spec import EditSettings
 
 DATA_DIR = Path(__file__).parent / "data"
 
 
 @dataclass
 class BuildOptions:
-    """Every option of ``blaze edit``; ``None`` means "the behaviour spec's default"."""
+    """Every option of ``blaze edit``. The edit settings (method … positions) and ``gate`` override the
+    behaviour spec's ``defaults`` and ``gate``; ``None`` (or absent) means "the spec's"."""
 
     behavior: str
     out: Path
@@ -40,9 +48,13 @@ class BuildOptions:
     rank: int | None = None
     strength: float | str | None = None
     layers: str | None = None
-    kinds: str | None = None
+    kinds: str | tuple[str, ...] | None = None
     lam: float | None = None
     threshold: float | None = None
+    max_new_tokens: int | None = None
+    budget: int | None = None
+    positions: str | None = None
+    gate: dict[str, Any] = field(default_factory=dict)
     device: str | None = None
     dtype: str | None = None
     force: bool = False
@@ -50,9 +62,15 @@ class BuildOptions:
     export_lora: Path | None = None
     trust_release_code: bool = False
     batch_size: int = 8
-    max_new_tokens: int | None = None
     cache_dir: Path | None = None
     progress: bool = True
+
+    def overrides(self) -> dict[str, Any]:
+        """The edit settings given (field names of ``variants.spec.EditSettings``)."""
+        from variants.spec import EditSettings
+
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EditSettings)
+                if hasattr(self, f.name) and getattr(self, f.name) is not None}
 
 
 @dataclass
@@ -65,6 +83,7 @@ class BuildResult:
     sweep: list[dict] = field(default_factory=list)
     canary: dict | None = None
     summary: str = ""
+    search: SearchResult | None = None
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -116,55 +135,39 @@ def preserve_set(spec, runtime):
     return PreserveSet(texts=load_preserve_chat() + list(spec.preserve_prompts()), requests=requests)
 
 
-def _settings(spec, opts: BuildOptions) -> dict[str, Any]:
-    d = spec.defaults
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    strength = pick(opts.strength, d.strength)
-    if isinstance(strength, str) and strength != "auto":
-        try:
-            strength = float(strength)
-        except ValueError:
-            raise BlazeError(f"--strength must be a number or 'auto' (got {strength!r})") from None
-    return {
-        "method": pick(opts.method, d.method),
-        "rank": int(pick(opts.rank, d.rank)),
-        "strength": strength,
-        "grid": sorted(float(s) for s in d.strength_grid),
-        "layers": pick(opts.layers, d.layers),
-        "kinds": pick(opts.kinds, ",".join(d.kinds)),
-        "lam": float(pick(opts.lam, d.lam)),
-        "threshold": float(pick(opts.threshold, d.threshold)),
-        "max_new_tokens": int(pick(opts.max_new_tokens, d.max_new_tokens)),
-    }
+def edit_settings(spec, opts: BuildOptions, pairs=None) -> EditSettings:
+    """The spec's defaults with the options given on top, parsed and validated once; ``positions="auto"``
+    resolved from the pairs (:func:`read_positions`) when they are given."""
+    settings = spec.defaults.updated(opts.overrides())
+    if settings.positions == "auto" and pairs is not None:
+        settings = dataclasses.replace(settings, positions=read_positions(pairs))
+    return settings
 
 
-def _cache_file(opts: BuildOptions, runtime, spec, s: dict) -> Path:
+def _cache_file(opts: BuildOptions, runtime, spec, s: EditSettings, layers: str | None = None,
+                kinds: str | None = None) -> Path:
     from clef_model.env import cache_root
 
     root = opts.cache_dir or cache_root() / "statistics"
     key = json.dumps([str(runtime.release.path), getattr(runtime.release, "revision", None), spec.spec_hash,
-                      s["layers"], s["kinds"], s["rank"], str(runtime.dtype), str(runtime.device)]
-                     + ([s["positions"]] if s.get("positions", "response") != "response" else []))
+                      layers or s.layers, kinds or s.kinds_text, s.rank, str(runtime.dtype), str(runtime.device)]
+                     + ([s.positions] if s.positions != "response" else []))
     return Path(root) / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
-# ------------------------------------------------------------------------------------------ sweep
-_DAMAGE_CHECKS = {"first_token_kl", "mean_token_kl", "loops", "limit", "empty", "decision_drift", "argmax_flips",
-                  "quality"}
-
-
-def sweep_row(strength: float, report: dict) -> dict:
-    """One line of the sweep table from a canary report."""
+# ------------------------------------------------------------------------------------------ search
+def search_row(point: Point, report: dict) -> Row:
+    """One row of the search table from a canary report on the validation prompts."""
     gate = report["gate"]
     values = {c["name"]: c["value"] for c in gate["checks"]}
-    return {"strength": strength, "passed": gate["passed"], "failed": gate["failed"], **values}
+    return Row(point=point, passed=bool(gate["passed"]), failed=tuple(gate["failed"]), values=values)
 
 
-def sweep_strength(runtime, stats, spec, s: dict, *, solve_patch: Callable[[float], Any],
-                   echo: Callable[[str], None], progress: bool = True, batch_size: int = 8) -> tuple[float, list]:
-    """Try each strength of the grid (ascending) on the validation split; return the strongest that
-    passes the gate, and the table. Stops early once a point fails a damage check after a pass:
-    stronger edits only degrade further."""
+def validation_evaluator(runtime, spec, settings: EditSettings, thresholds: Thresholds, *,
+                         solve_patch: Callable[[Point], Any], progress: bool = True,
+                         batch_size: int = 8) -> Callable[[Point], Row]:
+    """A function point → row: solve, apply in memory, run the canary on the spec's validation split
+    against the unedited model (whose answers are generated once and cached). Held-out items never enter."""
     from canaries.cache import MemoryCache
     from canaries.handles import ModelView
     from canaries.run import freeform_suite, run_canary
@@ -176,46 +179,27 @@ def sweep_strength(runtime, stats, spec, s: dict, *, solve_patch: Callable[[floa
     prompts = freeform_suite(items, general=False)
     cache = MemoryCache()
     base = ModelView(runtime, label="base")
-    rows: list[dict] = []
-    best: float | None = None
-    for strength in s["grid"]:
-        patch = solve_patch(strength)
-        view = ModelView(runtime, activate=lambda p=patch: p.applied(runtime), label=f"strength {strength:g}")
-        report = run_canary(view, base, freeform_prompts=prompts, thresholds=spec.gate.to_dict(),
-                            quality=spec.quality, max_new_tokens=s["max_new_tokens"], progress=progress,
-                            batch_size=batch_size, base_cache=cache, base_key="sweep-base")
-        row = sweep_row(strength, report)
-        rows.append(row)
-        echo(_row_text(row))
-        if row["passed"]:
-            best = strength
-        elif best is not None and set(row["failed"]) & _DAMAGE_CHECKS:
-            break
-    if best is None:
-        raise BlazeError(
-            "no strength in the grid passed the gate on the validation prompts:\n" + format_sweep(rows)
-            + "\nTry other --layers/--kinds/--method, a wider grid, or a fixed --strength with --no-canary."
-        )
-    return best, rows
+
+    def evaluate(point: Point) -> Row:
+        patch = solve_patch(point)
+        view = ModelView(runtime, activate=lambda: patch.applied(runtime), label=point.label())
+        report = run_canary(view, base, freeform_prompts=prompts, thresholds=thresholds, quality=spec.quality,
+                            max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
+                            base_cache=cache, base_key="search-base")
+        return search_row(point, report)
+
+    return evaluate
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
-
-def _row_text(row: dict) -> str:
-    keys = [k for k in row if k not in ("strength", "passed", "failed")]
-    parts = " ".join(f"{k}={_fmt(row[k])}" for k in keys)
-    return f"strength {row['strength']:<6g} {'PASS' if row['passed'] else 'fail'}  {parts}"
-
-
-def format_sweep(rows: list[dict]) -> str:
-    """The sweep table as text."""
-    return "\n".join(_row_text(r) for r in rows)
+def alternatives(settings: EditSettings) -> list[tuple[str, dict[str, Any]]]:
+    """Where/how alternatives, cheapest first (module docstring of :mod:`variants.search`)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if settings.method == "steer":
+        out.append(("lambda x10", {"lam": max(settings.lam, 0.1) * 10}))
+        out.append(("nullspace", {"method": "nullspace"}))
+    if settings.layers != "auto":
+        out.append(("layers auto", {"layers": "auto"}))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -227,7 +211,13 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     """Run a whole ``blaze edit``; see the module docstring."""
     from clef_model.release import DEFAULT_BASE
     from clef_model.runtime import Runtime
-    from surgery.edit import collect_statistics, format_targets, solve, weights_from_runtime
+    from surgery.edit import (
+        SolveSettings,
+        collect_statistics,
+        format_targets,
+        solve,
+        weights_from_runtime,
+    )
     from surgery.patch import base_identity
     from variants.spec import load_behavior
 
@@ -237,7 +227,12 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
 
     check_output(out, opts.force)  # before minutes of compute: not empty, blaze's own (--force), writable
     spec = load_behavior(opts.behavior)
-    s = _settings(spec, opts)
+    pairs = contrast_pairs(spec)
+    s = edit_settings(spec, opts, pairs)
+    thresholds = spec.gate.updated(opts.gate)
+    if s.rank > len(pairs):
+        raise BlazeError(f"--rank {s.rank} is above the limit of {len(pairs)} set by the spec's {len(pairs)} "
+                         f"contrast pairs: use --rank {len(pairs)} or lower")
     echo(f"behaviour {spec.name} v{spec.version}: {spec.description}")
     import torch
 
@@ -246,34 +241,56 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                            trust_release_code=opts.trust_release_code)
     echo(f"base {runtime.release.ref} ({runtime.release.architecture}, {len(runtime.decoder_layers())} layers) "
          f"on {runtime.device}")
-    pairs = contrast_pairs(spec)
     keep = preserve_set(spec, runtime)
     echo(f"data: {len(pairs)} contrast pairs, preserve {len(keep.texts)} chat prompts + "
          f"{len(keep.requests)} typed-decision requests")
-    s["positions"] = read_positions(pairs)
-    echo(f"directions read at: {s['positions']}")
-    stats = collect_statistics(runtime, pairs, keep, s["layers"], s["kinds"], rank=s["rank"],
-                               batch_size=opts.batch_size, cache=_cache_file(opts, runtime, spec, s),
-                               progress=opts.progress, echo=echo, positions=s["positions"])
+    echo(f"directions read at: {s.positions}")
+    collected: dict[tuple[str, str], Any] = {}
+    identities: dict[tuple[str, str], dict] = {}
+
+    def statistics(layers: str, kinds: str):
+        """Statistics for a layer band and kinds: collected once per run (and cached on disk)."""
+        if (layers, kinds) not in collected:
+            collected[layers, kinds] = collect_statistics(
+                runtime, pairs, keep, layers, kinds, rank=s.rank, batch_size=opts.batch_size,
+                cache=_cache_file(opts, runtime, spec, s, layers, kinds), progress=opts.progress, echo=echo,
+                positions=s.positions)
+        return collected[layers, kinds]
+
+    stats = statistics(s.layers, s.kinds_text)
     weights = weights_from_runtime(runtime)
-    targets = list(stats.keys)
-    identity = base_identity(runtime.release, targets)
     common = {"behavior": spec.name, "spec_hash": spec.spec_hash, "spec_version": spec.version}
 
-    def solve_patch(strength: float, extra: dict | None = None):
-        return solve(stats, s["method"], strength, s["rank"], s["lam"], s["threshold"], weights=weights,
-                     base_identity=identity, metadata={**common, **(extra or {})}, device=runtime.device)
+    def solve_patch(point: Point, extra: dict | None = None):
+        st = statistics(point.layers, point.kinds)
+        settings = SolveSettings(method=point.method, strength=float(point.strength), rank=s.rank,
+                                 lam=float(point.lam), threshold=float(s.threshold))
+        if (point.layers, point.kinds) not in identities:
+            identities[point.layers, point.kinds] = base_identity(runtime.release, list(st.keys))
+        return solve(st, settings, weights=weights, base_identity=identities[point.layers, point.kinds],
+                     metadata={**common, **(extra or {})}, device=runtime.device)
 
-    sweep: list[dict] = []
-    if s["strength"] == "auto":
-        echo(f"strength auto: grid {s['grid']} on {len(spec.validation_items())} validation prompts")
-        strength, sweep = sweep_strength(runtime, stats, spec, s, solve_patch=solve_patch, echo=echo,
-                                         progress=opts.progress, batch_size=opts.batch_size)
-        echo(f"chose strength {strength:g} (strongest passing point)")
-    else:
-        strength = float(s["strength"])
-    choice = {"strength": strength, "strength_mode": "auto" if sweep else "fixed", "sweep": sweep}
-    patch = solve_patch(strength, choice)
+    start = Point(strength=max(float(g) for g in s.strength_grid) if s.strength == "auto" else float(s.strength),
+                  method=s.method, lam=float(s.lam), layers=s.layers, kinds=s.kinds_text)
+    found: SearchResult | None = None
+    if s.strength == "auto":
+        from variants.spec import STRENGTH_MAX
+
+        echo(f"strength auto: adaptive search from {start.strength:g} on {len(spec.validation_items())} "
+             f"validation prompts, at most {s.budget} generation passes")
+        evaluate = validation_evaluator(runtime, spec, s, thresholds, solve_patch=solve_patch,
+                                        progress=opts.progress, batch_size=opts.batch_size)
+        found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
+                       max_strength=STRENGTH_MAX, alternatives=alternatives(s), echo=echo)
+        assert found.chosen is not None
+        start = found.chosen.point
+        stats = statistics(start.layers, start.kinds)
+        echo(f"search: chose {start.label()} after {found.passes} of {s.budget} passes ({found.stopped})")
+    strength = start.strength
+    sweep = [] if found is None else [r.to_dict() for r in found.rows]
+    choice = {"strength": strength, "strength_mode": "auto" if found else "fixed", "sweep": sweep,
+              **({"search": found.to_dict()} if found else {})}
+    patch = solve_patch(start, choice)
 
     report = None
     extra_files: Any = None
@@ -284,8 +301,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         report = run_canary(ModelView(runtime, activate=lambda: patch.applied(runtime), label="variant"),
                             ModelView(runtime, label="base"),
                             freeform_prompts=freeform_suite(spec.heldout_items(), general=True),
-                            thresholds=spec.gate.to_dict(), quality=spec.quality,
-                            max_new_tokens=s["max_new_tokens"], progress=opts.progress, batch_size=opts.batch_size,
+                            thresholds=thresholds, quality=spec.quality,
+                            max_new_tokens=s.max_new_tokens, progress=opts.progress, batch_size=opts.batch_size,
                             prompted_system=spec.wanted_system_prompt())  # the prompted ceiling: final canary only
         def extra_files(folder: Path) -> dict[str, bytes]:
             """Integrity of the written (not yet renamed) folder against the base, then the final gate."""
@@ -293,7 +310,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
             from canaries.integrity import check_integrity
 
             report["integrity"] = check_integrity(folder, runtime.release, device=runtime.device)
-            report["gate"] = evaluate(report, spec.gate.to_dict())
+            report["gate"] = evaluate(report, thresholds)
             manifest_extra["canary_gate"] = {"passed": report["gate"]["passed"], "failed": report["gate"]["failed"]}
             echo(f"canary (held-out + general + integrity): gate "
                  f"{'PASSED' if report['gate']['passed'] else 'FAILED'}"
@@ -301,10 +318,10 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
             return {CANARY_JSON: json.dumps(report, indent=2, default=str).encode(),
                     CANARY_MD: to_markdown(report).encode()}
     manifest_extra = {
-        **common, **choice, "method": s["method"], "rank": s["rank"], "lambda": s["lam"],
-        "threshold": s["threshold"], "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
-        "positions": s["positions"],
-        "layers_spec": s["layers"], "statistics": {k: v for k, v in stats.meta.items() if k != "shapes"},
+        **common, **choice, "method": start.method, "rank": s.rank, "lambda": start.lam,
+        "threshold": s.threshold, "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
+        "positions": s.positions,
+        "layers_spec": start.layers, "statistics": {k: v for k, v in stats.meta.items() if k != "shapes"},
         "canary_gate": None if report is None else {"passed": report["gate"]["passed"],
                                                     "failed": report["gate"]["failed"]},
     }
@@ -321,10 +338,11 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     rels = [i.get("rel_change") for i in patch.metadata["targets"].values() if i.get("rel_change") is not None]
     summary = "\n".join([
         format_targets(patch.metadata["targets"]),
-        f"edited {len(patch.names())} matrices, rank ≤ {s['rank']}, method {s['method']}, "
-        f"strength {strength:g} ({choice['strength_mode']}), λ {s['lam']:g}",
+        f"edited {len(patch.names())} matrices, rank ≤ {s.rank}, method {start.method}, "
+        f"strength {strength:g} ({choice['strength_mode']}), λ {start.lam:g}",
         f"relative change ‖ΔW‖/‖W‖: max {max(rels, default=0):.2e}, mean {sum(rels) / max(len(rels), 1):.2e}",
         f"wrote {written} ({_folder_bytes(written) / 1e6:.1f} MB) in {seconds:.0f} s",
     ])
     echo(summary)
-    return BuildResult(out=written, patch=patch, strength=strength, sweep=sweep, canary=report, summary=summary)
+    return BuildResult(out=written, patch=patch, strength=strength, sweep=sweep, canary=report, summary=summary,
+                       search=found)

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import click
 
+from clef_model.errors import BlazeError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -43,10 +45,27 @@ class FiniteNumber(click.ParamType):
         return number
 
 
+class Converted(click.ParamType):
+    """A value parsed by a settings module's own function (e.g. ``parse_strength``): one parser for the
+    command line, spec files and the Python API; its ``BlazeError`` becomes a usage error (exit 2)."""
+
+    def __init__(self, convert: Callable[[Any], Any], name: str) -> None:
+        self.convert_value, self.name = convert, name
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """Parse with the settings' function; its message is the usage error's."""
+        try:
+            return self.convert_value(value)
+        except BlazeError as error:
+            self.fail(str(error), param, ctx)
+
+
 def _param_type(f: dataclasses.Field) -> click.ParamType:
     meta = f.metadata
     if "click_type" in meta:
         return meta["click_type"]
+    if "convert" in meta:
+        return Converted(meta["convert"], f.name.upper())
     if "choices" in meta:
         return click.Choice(list(meta["choices"]))
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -114,27 +116,131 @@ class Direction:
     unwanted_system: str | None = None
 
 
-@dataclass(frozen=True)
-class Defaults:
-    """Edit defaults of a behaviour; the CLI's options override them."""
+STRENGTH_MAX = 10.0
+"""Largest strength accepted: 10 × a layer's contrastive mean difference is far past any edit that passes a
+gate (the shipped behaviours pass at 0.1-0.4 on SmolLM2); larger values are typos or overflow."""
+POSITIONS = ("auto", "response", "shared_response", "prompt_end")
 
-    method: str = "steer"
-    kinds: tuple[str, ...] = ("writers",)
-    layers: str = "0.3-0.8"
-    rank: int = 1
-    strength: float | str = "auto"
+
+def parse_strength(value: Any) -> float | str:
+    """``"auto"`` or a finite strength in [0, STRENGTH_MAX] (strings are parsed); raises naming the strength."""
+    if value == "auto":
+        return "auto"
+    try:
+        number = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        raise BlazeError(f"strength must be a number or 'auto', got {value!r}") from None
+    if not math.isfinite(number) or not 0 <= number <= STRENGTH_MAX:
+        raise BlazeError(f"strength must be 'auto' or a finite number from 0 to {STRENGTH_MAX:g} (a fraction of "
+                         f"each layer's contrastive mean difference; useful edits are 0.05-2), got {value!r}")
+    return number
+
+
+def parse_kinds(value: Any) -> tuple[str, ...]:
+    """Matrix kinds as a tuple: a comma-separated string (``"writers,mlp.up_proj"``) or a list of names."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    kinds = tuple(str(k).strip() for k in items if str(k).strip())
+    if not kinds:
+        raise BlazeError("kinds must name at least one matrix kind (e.g. 'writers')")
+    return kinds
+
+
+def _opt(help_text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: ``help`` is the text of the ``blaze edit`` flag made from the field (variants.cli_options)."""
+    return {"help": help_text, **extra}
+
+
+@dataclass(frozen=True)
+class EditSettings:
+    """How ``blaze edit`` edits: a behaviour's ``defaults`` section, with the command line's options on top
+    (``dataclasses.replace(spec.defaults, **overrides)``, see :meth:`updated`). Validated on construction."""
+
+    method: str = field(default="steer", metadata=_opt(
+        "steer: ridge edit with a penalty on preserved inputs; nullspace: edit only in the null space of "
+        "preserved inputs (AlphaEdit); ablate: remove the direction (Arditi et al.).", choices=METHODS))
+    kinds: tuple[str, ...] = field(default=("writers",), metadata=_opt(
+        "Matrices: `writers` (o_proj/out_proj/down_proj), `readers`, `all`, or names such as `mlp.down_proj` "
+        "(comma-separated).", convert=parse_kinds))
+    layers: str = field(default="0.3-0.8", metadata=_opt(
+        "Layers to edit: `8-24`, fractions of the depth `0.4-0.8`, lists `3,5,7`, or `auto` (best contiguous "
+        "band by separation score)."))
+    rank: int = field(default=1, metadata=_opt("Rank k of each matrix's edit ΔW = U Vᵀ.", minimum=1))
+    strength: float | str = field(default="auto", metadata=_opt(
+        "Strength α, or `auto` to search on the validation prompts for the strongest edit that passes the gate "
+        "(docs/METHOD.md, \"Strength search\"). α = shift each edited layer adds at the mean behaviour input, as "
+        "a fraction of that layer's contrastive mean difference.", convert=parse_strength))
     strength_grid: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3)
-    lam: float = 1.0  # "lambda" in the JSON file (a Python keyword)
-    threshold: float = 0.01
-    max_new_tokens: int = 96
+    lam: float = field(default=1.0, metadata=_opt(
+        "Weight of the preserved-input penalty in `steer` (0 = none).", flag="--lambda", key="lambda"))
+    threshold: float = field(default=0.01, metadata=_opt(
+        "`nullspace`: eigenvalues of the preserved inputs' second moment below threshold × the largest count "
+        "as null."))
+    max_new_tokens: int = field(default=96, metadata=_opt("Tokens per free-form canary answer.", minimum=1))
+    budget: int = field(default=8, metadata=_opt(
+        "`--strength auto`: most generation passes (one pass = one canary run on the validation prompts).",
+        minimum=1))
+    positions: str = field(default="auto", metadata=_opt(
+        "Where directions are read: `auto` (shared_response when every pair contrasts two system prompts, "
+        "else response), `response`, `shared_response`, `prompt_end`.", choices=POSITIONS))
+
+    def __post_init__(self) -> None:
+        problems = settings_problems(self)
+        if problems:
+            raise BlazeError("invalid edit settings: " + "; ".join(problems))
+
+    def updated(self, overrides: Mapping[str, Any] | None) -> EditSettings:
+        """A copy with ``overrides`` (field names; ``None`` values skipped), parsed and validated once here."""
+        changes = {k: v for k, v in (overrides or {}).items() if v is not None}
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise BlazeError(f"unknown edit setting {unknown[0]!r}")
+        if "strength" in changes:
+            changes["strength"] = parse_strength(changes["strength"])
+        if "kinds" in changes:
+            changes["kinds"] = parse_kinds(changes["kinds"])
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def kinds_text(self) -> str:
+        """The kinds as one comma-separated string (statistics cache keys, the manifest)."""
+        return ",".join(self.kinds)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict with the JSON file's key names."""
-        return {
-            "method": self.method, "kinds": list(self.kinds), "layers": self.layers, "rank": self.rank,
-            "strength": self.strength, "strength_grid": list(self.strength_grid), "lambda": self.lam,
-            "threshold": self.threshold, "max_new_tokens": self.max_new_tokens,
-        }
+        """Plain dict with the JSON file's key names (``lam`` is ``"lambda"``)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.metadata.get("key", f.name)] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+Defaults = EditSettings
+"""The name a spec's ``defaults`` section had before it became the edit settings themselves."""
+
+
+def settings_problems(settings: EditSettings) -> list[str]:
+    """Every invalid value of ``settings``, one ``name: problem`` each; strength problems name the strength."""
+    problems = []
+    if settings.method not in METHODS:
+        problems.append(f"method: must be one of {', '.join(METHODS)}, got {settings.method!r}")
+    if settings.positions not in POSITIONS:
+        problems.append(f"positions: must be one of {', '.join(POSITIONS)}, got {settings.positions!r}")
+    for name, minimum in (("rank", 1), ("max_new_tokens", 1), ("budget", 1)):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            problems.append(f"{name}: must be an integer ≥ {minimum}, got {value!r}")
+    for name in ("lam", "threshold"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            problems.append(f"{'lambda' if name == 'lam' else name}: must be a finite number ≥ 0, got {value!r}")
+    try:
+        parse_strength(settings.strength)
+        for point in settings.strength_grid:
+            if parse_strength(point) == "auto":
+                raise BlazeError("strength_grid: must hold numbers, got 'auto'")
+    except BlazeError as error:
+        problems.append(str(error))
+    return problems
 
 
 SPEC_GATE = Thresholds(effect="length_cut", min_effect=0.25)
@@ -244,7 +350,7 @@ def load_behavior(name_or_path: str | Path) -> BehaviorSpec:
         if not path.is_file():
             raise SpecError(f"behaviour spec file not found: {path}; pass a catalogue name "
                             f"({', '.join(list_behaviors()) or 'none shipped'}) or a path to a JSON file")
-        return _load_file(path, expected_name=None)
+        return _load_file(path, expected_name=path.stem)
     if not NAME_PATTERN.match(text):
         raise SpecError(f"invalid behaviour name {text!r}: use [a-z0-9_-]+ or a path to a .json file")
     path = behaviors_dir() / f"{text}.json"
@@ -264,7 +370,9 @@ def _load_file(path: Path, expected_name: str | None) -> BehaviorSpec:
         raise SpecError(f"{path}: cannot read the spec file ({error})") from None
     spec = parse_behavior(data, source=str(path))
     if expected_name is not None and spec.name != expected_name:
-        raise SpecError(f"{path}: name: {spec.name!r} must equal the file name {expected_name!r}")
+        raise SpecError(f"{path}: name: {spec.name!r} must equal the file name {expected_name!r} (the variant's "
+                        f"manifest and card name the behaviour by it): rename the file to {spec.name}.json or set "
+                        f"\"name\": \"{expected_name}\"")
     return spec
 
 
@@ -457,6 +565,8 @@ class _Validator:
         if "strength" in raw:
             s = raw["strength"]
             out["strength"] = s if s == "auto" else self.number(s, "defaults.strength", minimum=0)
+            if isinstance(out["strength"], (int, float)) and out["strength"] > STRENGTH_MAX:
+                self.fail("defaults.strength", f"must be ≤ {STRENGTH_MAX:g}, got {s}")
         if "strength_grid" in raw:
             grid = raw["strength_grid"]
             if not isinstance(grid, list) or not grid:
@@ -471,7 +581,11 @@ class _Validator:
         if "max_new_tokens" in raw:
             out["max_new_tokens"] = self.number(raw["max_new_tokens"], "defaults.max_new_tokens", minimum=1,
                                                 integer=True)
-        if any(v is None for v in out.values()) or any(
+        if "budget" in raw:
+            out["budget"] = self.number(raw["budget"], "defaults.budget", minimum=1, integer=True)
+        if "positions" in raw:
+            out["positions"] = self.choice(raw["positions"], "defaults.positions", POSITIONS)
+        if self.errors or any(v is None for v in out.values()) or any(
                 isinstance(v, tuple) and None in v for v in out.values()):
             return Defaults()  # errors recorded; the value is never returned to a caller
         return Defaults(**out)

@@ -1,0 +1,139 @@
+"""The adaptive strength search (`--strength auto`) on synthetic monotone effect/damage models, and the
+exit code of a search that finds nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from variants.search import (
+    DAMAGE_CHECKS,
+    NoPassingPoint,
+    Point,
+    Row,
+    best_row,
+    next_strength,
+    search,
+)
+
+START = Point(strength=0.4, method="steer", lam=1.0, layers="0.3-0.8", kinds="writers")
+GRID = (0.1, 0.2, 0.3, 0.4)
+
+
+def model(effect_per_unit: float, damage_at: float, min_effect: float = 0.25, lam_relief: float = 1.0):
+    """A fake canary: the effect grows linearly with strength, the key facts break past ``damage_at``
+    (× ``lam_relief`` when λ is raised above 1, as a stronger preservation term would). Counts its calls."""
+    calls: list[Point] = []
+
+    def evaluate(point: Point) -> Row:
+        calls.append(point)
+        effect = effect_per_unit * point.strength
+        bound = damage_at * (lam_relief if point.lam > 1 else 1.0)
+        failed = tuple(["effect"] * (effect < min_effect) + ["quality"] * (point.strength > bound))
+        return Row(point=point, passed=not failed, failed=failed,
+                   values={"effect": effect, "quality": 1.0 if point.strength <= bound else 0.8})
+
+    return evaluate, calls
+
+
+def old_grid(evaluate) -> float | None:
+    """What the fixed grid did: the strongest grid point that passed."""
+    passing = [s for s in GRID if evaluate(Point(s, "steer", 1.0, "0.3-0.8", "writers")).passed]
+    return max(passing, default=None)
+
+
+def test_regression_small_effect_per_unit_strength_old_grid_fails_search_passes():
+    """Issue 11's second model: a smaller effect per unit strength (13 % at 0.4) with damage far away.
+    The fixed grid found no passing point; the search steps past the grid and finds one."""
+    evaluate, calls = model(effect_per_unit=0.33, damage_at=1.6)
+    assert old_grid(evaluate) is None
+    calls.clear()
+    result = search(evaluate, START, budget=8, min_effect=0.25, max_strength=10.0)
+    assert result.chosen is not None and result.chosen.passed
+    assert result.chosen.point.strength > max(GRID)
+    assert 0.33 * result.chosen.point.strength >= 0.25 and result.chosen.point.strength <= 1.6
+    assert result.passes == len(calls) <= 8
+    # bracketed: the chosen point is within 20 % of the weakest damaging point tried
+    damaged = [r.point.strength for r in result.rows if r.damaged]
+    assert damaged and min(damaged) / result.chosen.point.strength <= 1.2
+
+
+def test_search_bisects_down_when_the_start_damages():
+    evaluate, _ = model(effect_per_unit=2.0, damage_at=0.22)
+    result = search(evaluate, START, budget=8, min_effect=0.25, max_strength=10.0)
+    assert result.chosen is not None and 0.125 <= result.chosen.point.strength <= 0.22
+    assert result.rows[0].damaged and not result.rows[0].passed
+
+
+def test_search_respects_the_budget_and_reports_every_pass():
+    evaluate, calls = model(effect_per_unit=0.33, damage_at=1.6)
+    lines: list[str] = []
+    result = search(evaluate, START, budget=3, min_effect=0.25, max_strength=10.0, echo=lines.append)
+    assert len(calls) == result.passes <= 3 and len(lines) == result.passes
+    assert all(line.startswith(f"search pass {i + 1}/3") for i, line in enumerate(lines))
+    table = result.to_dict()
+    assert table["passes"] == result.passes and len(table["rows"]) == result.passes
+    assert table["chosen"]["strength"] == result.chosen.point.strength
+    assert {"strength", "method", "lam", "layers", "kinds", "passed", "reason", "effect", "quality"} <= set(
+        table["rows"][0])
+
+
+def test_alternatives_tried_only_when_the_default_cannot_pass():
+    """Damage arrives before the effect on the spec's settings; a 10× λ moves the damage bound out."""
+    evaluate, calls = model(effect_per_unit=0.3, damage_at=0.6, lam_relief=4.0)
+    result = search(evaluate, START, budget=12, min_effect=0.25, max_strength=10.0,
+                    alternatives=[("lambda x10", {"lam": 10.0}), ("nullspace", {"method": "nullspace"})])
+    assert result.chosen is not None and result.chosen.point.lam == 10.0 and result.chosen.stage == "lambda x10"
+    assert not any(p.method == "nullspace" for p in calls)     # stopped at the first alternative that passed
+    # and with a passing default, no alternative is tried at all
+    evaluate, calls = model(effect_per_unit=1.0, damage_at=1.0, lam_relief=4.0)
+    search(evaluate, START, budget=12, min_effect=0.25, max_strength=10.0, alternatives=[("lambda x10", {"lam": 10.0})])
+    assert all(p.lam == 1.0 for p in calls)
+
+
+def test_no_passing_point_is_a_verdict_with_the_table():
+    evaluate, _ = model(effect_per_unit=0.1, damage_at=0.5)
+    with pytest.raises(NoPassingPoint, match="no point of the search passed") as info:
+        search(evaluate, START, budget=5, min_effect=0.25, max_strength=10.0)
+    assert info.value.result.chosen is None and 1 <= info.value.result.passes <= 5
+
+
+def test_next_strength_rules():
+    def row(strength, effect, failed=()):
+        return Row(Point(strength, "steer", 1.0, "a", "w"), not failed, tuple(failed), {"effect": effect})
+
+    # effect 10 % of 25 %: the step is sized from the effect per unit strength (×2.75), within [1.5, 4]
+    assert next_strength([row(0.4, 0.10, ["effect"])], 0.25, 10.0) == pytest.approx(0.4 * 2.75)
+    assert next_strength([row(0.4, 0.0, ["effect"])], 0.25, 10.0) == pytest.approx(1.6)   # no effect: ×4
+    assert next_strength([row(0.4, 0.3)], 0.25, 10.0) == pytest.approx(0.8)                # passing: ×2
+    assert next_strength([row(0.4, 0.3), row(0.8, 0.5, ["loops"])], 0.25, 10.0) == pytest.approx(0.32 ** 0.5)
+    assert next_strength([row(0.4, 0.3), row(0.45, 0.5, ["loops"])], 0.25, 10.0) is None   # bracketed
+    assert next_strength([row(10.0, 0.1, ["effect"])], 0.25, 10.0) is None                # at the cap
+    assert {"loops", "quality", "first_token_kl"} <= DAMAGE_CHECKS and "effect" not in DAMAGE_CHECKS
+    assert best_row([row(0.2, 0.3), row(0.4, 0.5), row(0.8, 0.9, ["loops"])]).point.strength == 0.4
+
+
+def test_edit_without_a_passing_point_exits_1_and_writes_nothing(tiny_release, tmp_path, monkeypatch):
+    """`blaze edit --strength auto` whose search finds nothing: the gate's verdict (exit 1), not bad input."""
+    from variants import build
+
+    def never_passes(*_args, **_kwargs):
+        return lambda point: Row(point, False, ("effect",), {"effect": 0.0})
+
+    monkeypatch.setattr(build, "validation_evaluator", never_passes)
+    spec = tmp_path / "tiny-concise.json"
+    spec.write_text(json.dumps({
+        "name": "tiny-concise", "version": 1, "description": "t",
+        "directions": [{"name": "c", "pairs": {"train": [{"prompt": "Who wrote Hamlet?", "wanted": "Shakespeare.",
+                                                          "unwanted": "It was written by William Shakespeare."}],
+                                               "validation": [{"prompt": "2+2?", "keywords": ["4"]}]}}],
+        "heldout": [{"prompt": "Capital of France?", "keywords": ["Paris"]}],
+        "defaults": {"layers": "2-3", "strength_grid": [0.1], "max_new_tokens": 4, "budget": 3}}))
+    from variants.cli import main
+
+    result = CliRunner().invoke(main, ["edit", "-b", str(spec), "--base", str(tiny_release), "--out",
+                                       str(tmp_path / "v"), "--device", "cpu", "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 1, result.output
+    assert "no point of the search passed" in result.output and not (tmp_path / "v").exists()

@@ -1,0 +1,239 @@
+"""`--strength auto`: an adaptive search for the edit, in place of a fixed strength grid.
+
+The solve is closed-form and the statistics are collected once, so a point of the search costs one
+*generation pass*: one canary run of the edited model on the behaviour's validation prompts (the held-out
+prompts are never looked at). The search spends at most ``budget`` passes, cheapest questions first:
+
+1. **Strength, on the spec's settings.** Start at the top of the spec's grid (the strength the shipped
+   defaults were tuned to). While the gate's damage checks pass, step up: by the factor the measured
+   effect says is missing (effect per unit strength; at least ×1.5, at most ×4), or ×2 once the effect
+   bar is met. The first point that fails a damage check (KL, loops, token limit, empty answers, decision
+   drift, key-fact quality) bounds the search; then bisect geometrically between the strongest
+   non-damaging point and the weakest damaging one until they are within 20 % of each other. Strengths
+   stop at ``STRENGTH_MAX`` (a damage bound of its own).
+2. **Where and how, only when step 1 found no passing point.** Alternatives on the same statistics first
+   (no new model pass): a 10× stronger preservation penalty λ (less damage per unit of effect), then the
+   ``nullspace`` method; then the band of layers with the best separation scores (``layers=auto``: one
+   more statistics pass over the contrast pairs, no generation). Each is searched as in step 1 with the
+   passes that are left.
+
+Choice: among the points that passed, the one with the largest measured effect on the validation split
+(with ``effect: none``, the strongest); ties go to the weaker edit. A point that passes the gate may
+still damage more than a weaker one, but the gate's bounds are the contract: within them, the user asked
+for the behaviour. Every point, with its settings, effect, damage figures and verdict, is a row of the
+search table (manifest ``edit.search``, the card, stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clef_model.errors import BlazeError
+
+DAMAGE_CHECKS = frozenset({"first_token_kl", "mean_token_kl", "loops", "limit", "empty", "decision_drift",
+                           "argmax_flips", "quality", "hold", "accept"})
+"""Gate checks that get worse as the edit gets stronger: a failure bounds the strength from above."""
+STEP_MIN, STEP_MAX, STEP_PASSING = 1.5, 4.0, 2.0
+BRACKET = 1.2           # bisect until the damaging strength is within 20 % of the best non-damaging one
+DEFAULT_BUDGET = 8
+
+
+class NoPassingPoint(BlazeError):
+    """The search spent its budget (or its alternatives) without a point that passes the gate: a verdict
+    (exit code 1), not bad input."""
+
+    def __init__(self, message: str, result: SearchResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass(frozen=True)
+class Point:
+    """Where and how to edit, and how strongly: everything one generation pass depends on."""
+
+    strength: float
+    method: str
+    lam: float
+    layers: str
+    kinds: str
+
+    def label(self) -> str:
+        """Short text for progress lines."""
+        return f"{self.method} λ={self.lam:g} layers={self.layers} kinds={self.kinds} strength={self.strength:.4g}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One generation pass: the point, the gate's verdict and the figures it was judged on."""
+
+    point: Point
+    passed: bool
+    failed: tuple[str, ...]
+    values: dict[str, Any] = field(default_factory=dict)   # gate check name → measured value
+    stage: str = "strength"
+    note: str = ""
+
+    @property
+    def damaged(self) -> bool:
+        """Whether a damage check failed (a stronger edit would only fail it further)."""
+        return bool(set(self.failed) & DAMAGE_CHECKS)
+
+    @property
+    def effect(self) -> float | None:
+        """The measured effect (the gate's ``effect`` check), or None when the gate measures none."""
+        value = self.values.get("effect")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def reason(self) -> str:
+        """Why the point passed or failed, in words."""
+        if self.passed:
+            return "pass"
+        damage = [c for c in self.failed if c in DAMAGE_CHECKS]
+        parts = ([f"damage: {', '.join(damage)}"] if damage else []) + \
+                (["effect short"] if "effect" in self.failed else []) + \
+                [c for c in self.failed if c not in DAMAGE_CHECKS and c != "effect"]
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """One line of the search table as plain data (manifest ``edit.search.rows``)."""
+        return {**dataclasses.asdict(self.point), "stage": self.stage, "passed": self.passed,
+                "failed": list(self.failed), "reason": self.reason(), **self.values,
+                **({"note": self.note} if self.note else {})}
+
+
+@dataclass
+class SearchResult:
+    """Every pass of a search, the chosen row (None when nothing passed) and why the search stopped."""
+
+    rows: list[Row]
+    chosen: Row | None
+    budget: int
+    stopped: str
+
+    @property
+    def passes(self) -> int:
+        """Generation passes spent (one per row)."""
+        return len(self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``edit.search`` section."""
+        chosen = None if self.chosen is None else {**dataclasses.asdict(self.chosen.point),
+                                                    "row": self.rows.index(self.chosen)}
+        return {"budget": self.budget, "passes": self.passes, "stopped": self.stopped, "chosen": chosen,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+Evaluate = Callable[[Point], Row]
+
+
+def best_row(rows: Iterable[Row]) -> Row | None:
+    """The passing row with the largest effect (strength when no effect is measured); ties → weaker edit."""
+    passing = [r for r in rows if r.passed]
+    if not passing:
+        return None
+    return max(passing, key=lambda r: (r.effect if r.effect is not None else r.point.strength,
+                                       -r.point.strength))
+
+
+def next_strength(rows: list[Row], min_effect: float, max_strength: float) -> float | None:
+    """The next strength to try given the rows of one setting (same method/λ/layers/kinds), or None when
+    the search of that setting is done (bracketed, or at the strength cap with no damage seen)."""
+    clean = [r for r in rows if not r.damaged]
+    damaged = [r for r in rows if r.damaged]
+    low = max((r.point.strength for r in clean), default=0.0)
+    if damaged:
+        high = min(r.point.strength for r in damaged)
+        if low >= high:       # a noisy non-monotone reading: trust the damage
+            low = max((r.point.strength for r in clean if r.point.strength < high), default=0.0)
+        if low > 0 and high / low <= BRACKET:
+            return None
+        if low == 0:
+            # nothing clean below the damaging point: step down geometrically
+            smallest = min(r.point.strength for r in rows)
+            return smallest / 4 if smallest / 4 > 1e-4 else None
+        return math.sqrt(low * high)
+    top = max(clean, key=lambda r: r.point.strength)
+    if top.point.strength >= max_strength:
+        return None
+    effect = top.effect
+    if top.passed or effect is None:
+        factor = STEP_PASSING
+    elif effect <= 0:
+        factor = STEP_MAX
+    else:
+        factor = min(max(min_effect / effect * 1.1, STEP_MIN), STEP_MAX)
+    return min(top.point.strength * factor, max_strength)
+
+
+def search_setting(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, max_strength: float,
+                   stage: str, echo: Callable[[str], None], rows: list[Row]) -> list[Row]:
+    """Step 1 for one setting: strength steps from ``start`` until bracketed, capped, or out of budget.
+    Appends to ``rows`` (the whole table) and returns this setting's rows."""
+    mine: list[Row] = []
+    strength: float | None = start.strength
+    while strength is not None and len(rows) < budget:
+        point = dataclasses.replace(start, strength=float(f"{strength:.4g}"))
+        if any(r.point == point for r in mine):
+            break
+        row = dataclasses.replace(evaluate(point), stage=stage)
+        rows.append(row)
+        mine.append(row)
+        echo(f"search pass {len(rows)}/{budget}: {format_row(row)}")
+        strength = next_strength(mine, min_effect, max_strength)
+    return mine
+
+
+def search(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, max_strength: float,
+           alternatives: Iterable[tuple[str, dict[str, Any]]] = (),
+           echo: Callable[[str], None] = lambda _m: None) -> SearchResult:
+    """The whole search (module docstring); raises :class:`NoPassingPoint` when nothing passes."""
+    if budget < 1:
+        raise BlazeError(f"--budget must be ≥ 1 (got {budget})")
+    rows: list[Row] = []
+    found = search_setting(evaluate, start, budget=budget, min_effect=min_effect, max_strength=max_strength,
+                           stage="strength", echo=echo, rows=rows)
+    stopped = "bracketed the strongest passing strength" if best_row(found) else "no passing strength"
+    if best_row(found) is None:
+        for name, change in alternatives:
+            if len(rows) >= budget:
+                break
+            # start the alternative where the default stopped being clean: its damage may differ
+            clean = [r.point.strength for r in found if not r.damaged]
+            alt = dataclasses.replace(start, strength=max(clean, default=start.strength), **change)
+            echo(f"search: trying {name} ({alt.label()})")
+            if best_row(search_setting(evaluate, alt, budget=budget, min_effect=min_effect,
+                                       max_strength=max_strength, stage=name, echo=echo, rows=rows)):
+                stopped = f"the spec's settings did not pass; {name} did"
+                break
+    if len(rows) >= budget and best_row(rows) is None:
+        stopped = f"budget of {budget} passes spent"
+    result = SearchResult(rows=rows, chosen=best_row(rows), budget=budget, stopped=stopped)
+    if result.chosen is None:
+        raise NoPassingPoint(
+            f"no point of the search passed the gate on the validation prompts ({result.passes} passes, "
+            f"{stopped}):\n{format_table(rows)}\nRaise --budget, relax a bound (--max-*), try other "
+            "--layers/--kinds/--method, or pass a fixed --strength with --no-canary.", result)
+    return result
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def format_row(row: Row) -> str:
+    """One search row as a line of text."""
+    figures = " ".join(f"{k}={_fmt(v)}" for k, v in row.values.items())
+    return f"{row.point.label():<58} {'PASS' if row.passed else 'fail'} ({row.reason()})  {figures}"
+
+
+def format_table(rows: list[Row]) -> str:
+    """The search table as text."""
+    return "\n".join(format_row(r) for r in rows)
