@@ -124,7 +124,7 @@ def effect_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     out = []
     for effect in (ceiling or {}).get("effects", []):
         name = effect["name"] + (" (gated)" if effect["name"] == ceiling.get("gated_effect") else "")
-        fraction = ("base cannot, even when asked" if not effect["reachable"]
+        fraction = ("— (prompting within margin)" if not effect["reachable"]
                     else f"{effect['fraction'] * 100:.0f} %")
         margin = (f"{effect['margin'] * 100:.0f} %" if effect["unit"] == "relative"
                   else f"{effect['margin']:.0f} items")

@@ -121,8 +121,8 @@ def test_markdown_and_terminal_reports_show_the_ceiling():
     assert any("length_cut (gated)" in line and "40 %" in line for line in lines)
 
     unreachable = to_markdown(_report_with([gen("- fact\n- more", 19)] * 4))
-    assert "base cannot, even when asked" in unreachable and "does not do this behaviour even when asked" \
-        in unreachable
+    assert "| length_cut (gated) | +30.0% | +5.0% | — (prompting within margin) | 10 % |" in unreachable
+    assert "- length_cut: the base does not do this behaviour even when asked" in unreachable
     assert "Not run" in to_markdown(_report_with(None))
 
 
