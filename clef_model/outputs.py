@@ -10,7 +10,8 @@ Every folder blaze writes (a variant, a fixture, a LoRA adapter, the embedded ba
   `atomic_output` into the same parent removes temporary folders whose owner is gone (a `kill -9`, a
   power cut). SIGTERM and SIGINT during the write remove the folder at once (the handler raises
   `SystemExit`, the `with` block cleans up, the process exits 143 / 130);
-- the marker is removed before the rename, so a finished folder holds exactly what the writer put there;
+- the marker is removed right after the rename, so a finished folder holds exactly what the writer put
+  there;
 - `force=True` replaces only a folder that blaze wrote (`written_by_blaze`): a variant (it holds
   `blaze_manifest.json`), a fixture (its LICENSE says so), a LoRA adapter blaze exported (only the two
   PEFT files), anything under blaze's cache folder. Any other non-empty folder is refused and keeps its
@@ -157,6 +158,13 @@ def check_output(dest: Path, force: bool = False) -> Path:
     return dest
 
 
+def _write_marker(folder: Path, owner: dict) -> None:
+    """Write the owner marker whole or not at all (a kill mid-write must not leave an unreadable marker)."""
+    part = folder / f"{MARKER}.part"
+    part.write_text(json.dumps(owner), encoding="utf-8")
+    os.rename(part, folder / MARKER)
+
+
 @contextlib.contextmanager
 def _cleanup_on_signals(folder: Path) -> Iterator[None]:
     """While writing, SIGTERM / SIGINT raise SystemExit so the `with` block removes `folder` (main thread only)."""
@@ -196,12 +204,11 @@ def atomic_output(dest: Path, force: bool = False) -> Iterator[Path]:
     try:
         with _cleanup_on_signals(tmp):
             os.chmod(tmp, 0o755)
-            (tmp / MARKER).write_text(json.dumps(owner), encoding="utf-8")
+            _write_marker(tmp, owner)
             yield tmp
-            (tmp / MARKER).unlink()
             if dest.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-                (old / MARKER).write_text(json.dumps(owner), encoding="utf-8")
+                _write_marker(old, owner)
                 os.rename(dest, old / "d")
                 try:
                     os.rename(tmp, dest)
@@ -212,6 +219,8 @@ def atomic_output(dest: Path, force: bool = False) -> Iterator[Path]:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, dest)
+            # after the rename: a kill just before it still leaves a marked (removable) temporary folder
+            (dest / MARKER).unlink()
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
         if error.errno in _DISK_FULL:

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from clef_model.checkpoint import INDEX_NAME
+from clef_model.outputs import MARKER
 from clef_model.release import resolve_release
 from surgery.delta import PATCH_FILE
 from surgery.manifest import verify_manifest
@@ -91,7 +92,7 @@ def _wait_for(process: subprocess.Popen, parent: Path, stage: str, timeout: floa
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for folder in parent.glob(".out.tmp-*"):
-            if stage == "created" or (folder / INDEX_NAME).is_file():
+            if (stage == "created" and (folder / MARKER).is_file()) or (folder / INDEX_NAME).is_file():
                 return folder
         if process.poll() is not None:
             raise AssertionError(f"the run ended before {stage}: {process.stdout.read().decode()}")
@@ -128,7 +129,7 @@ def test_apply_sigterm_cleans_up_at_once(tiny_release, patch_file, tmp_path):
 
 @pytest.mark.slow
 def test_edit_killed_with_sigkill_then_rerun(tiny_release, tmp_path):
-    from test_build import small_spec
+    from faults_support import small_spec
 
     before = _tree(tiny_release)
     spec = small_spec(tmp_path)

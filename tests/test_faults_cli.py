@@ -100,7 +100,7 @@ def test_read_only_out_is_refused_before_any_compute(tiny_release, tmp_path, mon
     """`blaze edit` into a place that cannot be written fails at once (exit 2), before the model loads."""
     from clef_model import outputs
     from clef_model.runtime import Runtime
-    from test_build import small_spec
+    from faults_support import small_spec
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")

@@ -92,7 +92,7 @@ def bytecode_on(monkeypatch):
 def test_running_a_base_leaves_it_byte_identical(tiny_release, tmp_path, bytecode_on, monkeypatch):
     """systemone, generate, edit and canary on a base, with bytecode writing on: not one byte of it changes,
     and no file appears in it (no `__pycache__`)."""
-    from test_build import small_spec
+    from faults_support import small_spec
     from variants.cli import main
 
     monkeypatch.setenv("BLAZE_CACHE", str(tmp_path / "cache"))
