@@ -137,3 +137,55 @@ def test_edit_without_a_passing_point_exits_1_and_writes_nothing(tiny_release, t
                                        str(tmp_path / "v"), "--device", "cpu", "--cache-dir", str(tmp_path / "c")])
     assert result.exit_code == 1, result.output
     assert "no point of the search passed" in result.output and not (tmp_path / "v").exists()
+
+
+def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
+    """A point that passes on the validation prompts is also run on the training questions (loop check set):
+    a rare new loop there fails it; a weaker point of the same setting is covered by a stronger checked one."""
+    import canaries.run
+    from canaries.gate import Thresholds
+    from variants.build import loop_check_items, validation_evaluator
+
+    calls: list[tuple[str, float]] = []
+
+    def fake_run_canary(view, base, *, freeform_prompts, base_key, **_kwargs):
+        strength = float(view.label.rsplit("=", 1)[1])
+        calls.append((base_key, strength))
+        loops = 0.02 if base_key == "search-loop-check" and strength > 0.5 else 0.0
+        return {"gate": {"passed": True, "failed": [], "checks": [{"name": "effect", "value": strength}]},
+                "freeform": {"summary": {"loop_rate": {"new": loops}, "hit_limit_rate": {"new": 0.0},
+                                         "empty_rate": {"new": 0.0}}}}
+
+    monkeypatch.setattr(canaries.run, "run_canary", fake_run_canary)
+
+    class Patch:
+        def applied(self, _runtime):
+            raise AssertionError("not activated by the fake canary")
+
+    class Spec:
+        name, quality = "x", None
+
+        @staticmethod
+        def validation_items():
+            return [{"prompt": "held?", "keywords": []}]
+
+        @staticmethod
+        def heldout_items():
+            return [{"prompt": "Q2", "keywords": []}]
+
+        @staticmethod
+        def to_contrast_pairs():
+            return [{"prompt": "Q1"}, {"prompt": "Q1"}, {"prompt": "Q2"}, {"prompt": "Q3"}]
+
+    assert [item["prompt"] for item in loop_check_items(Spec)] == ["Q1", "Q3"]   # held-out Q2 never enters
+    from variants.spec import EditSettings
+
+    evaluate = validation_evaluator(object(), Spec, EditSettings(), Thresholds(), solve_patch=lambda p: Patch(),
+                                    progress=False)
+    strong = evaluate(START.__class__(0.8, "steer", 1.0, "a", "w"))
+    assert not strong.passed and "check_loops" in strong.failed and strong.damaged and strong.passes == 2
+    ok = evaluate(START.__class__(0.4, "steer", 1.0, "a", "w"))
+    assert ok.passed and ok.passes == 2 and ok.values["check_loops"] == 0.0
+    weaker = evaluate(START.__class__(0.3, "steer", 1.0, "a", "w"))
+    assert weaker.passed and weaker.passes == 1                 # covered by the checked 0.4
+    assert [k for k, _ in calls].count("search-loop-check") == 2

@@ -180,15 +180,49 @@ def validation_evaluator(runtime, spec, settings: EditSettings, thresholds: Thre
     cache = MemoryCache()
     base = ModelView(runtime, label="base")
 
+    check = loop_check_items(spec)
+    checked: dict[tuple, float] = {}   # setting → strongest strength that passed the loop check
+
     def evaluate(point: Point) -> Row:
         patch = solve_patch(point)
         view = ModelView(runtime, activate=lambda: patch.applied(runtime), label=point.label())
         report = run_canary(view, base, freeform_prompts=prompts, thresholds=thresholds, quality=spec.quality,
                             max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
                             base_cache=cache, base_key="search-base")
-        return search_row(point, report)
+        row = search_row(point, report)
+        setting = (point.method, point.lam, point.layers, point.kinds)
+        if not row.passed or not check or point.strength <= checked.get(setting, -1.0):
+            return row
+        report = run_canary(view, base, freeform_prompts=check, thresholds=thresholds, quality=None,
+                            max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
+                            base_cache=cache, base_key="search-loop-check")
+        free = report["freeform"]["summary"]
+        rates = {"check_loops": free["loop_rate"]["new"], "check_limit": free["hit_limit_rate"]["new"],
+                 "check_empty": free["empty_rate"]["new"]}
+        bad = rates["check_loops"] > thresholds.max_loop_rate or rates["check_empty"] > thresholds.max_empty_rate \
+            or rates["check_limit"] > thresholds.max_limit_rate
+        values = {**row.values, **rates}
+        if bad:
+            return dataclasses.replace(row, passed=False, failed=(*row.failed, "check_loops"), values=values,
+                                       passes=2, note=f"loop check on {len(check)} training questions failed")
+        checked[setting] = point.strength
+        return dataclasses.replace(row, values=values, passes=2)
 
     return evaluate
+
+
+def loop_check_items(spec) -> list[dict]:
+    """The loop check set: the spec's training questions (unique, last user turn kept as the whole chat),
+    minus any prompt that is also a validation or held-out item. Loops only: no keywords, no effect."""
+    from canaries.run import freeform_suite
+
+    taken = {repr(item["prompt"]) for item in spec.validation_items() + spec.heldout_items()}
+    seen: dict[str, Any] = {}
+    for pair in spec.to_contrast_pairs():
+        key = repr(pair["prompt"])
+        if key not in taken and key not in seen:
+            seen[key] = pair["prompt"]
+    return freeform_suite([{"prompt": prompt, "source": "general"} for prompt in seen.values()], general=False)
 
 
 def alternatives(settings: EditSettings) -> list[tuple[str, dict[str, Any]]]:

@@ -17,6 +17,14 @@ prompts are never looked at). The search spends at most ``budget`` passes, cheap
    more statistics pass over the contrast pairs, no generation). Each is searched as in step 1 with the
    passes that are left.
 
+Rare loops: new loops appear at about 1-2 % of prompts on SmolLM2 past strength 0.4, which a validation
+split of a few dozen prompts cannot see. So a point that passes the validation gate is also run on the
+*loop check set*, the spec's training questions (answers generated fresh; the held-out prompts are never
+among them): any new loop, run to the token limit or empty answer beyond the gate's rates fails it
+(``check_loops``, a damage check). A weaker point of the same setting is taken to be covered by a stronger
+one that passed the check (damage grows with strength), so the check runs once per new strongest pass.
+It costs a second generation pass for those points (counted in the budget).
+
 Choice: among the points that passed, the one with the largest measured effect on the validation split
 (with ``effect: none``, the strongest); ties go to the weaker edit. A point that passes the gate may
 still damage more than a weaker one, but the gate's bounds are the contract: within them, the user asked
@@ -35,7 +43,7 @@ from typing import Any
 from clef_model.errors import BlazeError
 
 DAMAGE_CHECKS = frozenset({"first_token_kl", "mean_token_kl", "loops", "limit", "empty", "decision_drift",
-                           "argmax_flips", "quality", "hold", "accept"})
+                           "argmax_flips", "quality", "hold", "accept", "check_loops"})
 """Gate checks that get worse as the edit gets stronger: a failure bounds the strength from above."""
 STEP_MIN, STEP_MAX, STEP_PASSING = 1.5, 4.0, 2.0
 BRACKET = 1.2           # bisect until the damaging strength is within 20 % of the best non-damaging one
@@ -76,6 +84,7 @@ class Row:
     values: dict[str, Any] = field(default_factory=dict)   # gate check name → measured value
     stage: str = "strength"
     note: str = ""
+    passes: int = 1          # generation passes this point cost (2 with the loop check)
 
     @property
     def damaged(self) -> bool:
@@ -116,8 +125,8 @@ class SearchResult:
 
     @property
     def passes(self) -> int:
-        """Generation passes spent (one per row)."""
-        return len(self.rows)
+        """Generation passes spent (one per row, two for a row that also ran the loop check)."""
+        return spent(self.rows)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's ``edit.search`` section."""
@@ -128,6 +137,11 @@ class SearchResult:
 
 
 Evaluate = Callable[[Point], Row]
+
+
+def spent(rows: Iterable[Row]) -> int:
+    """Generation passes spent by ``rows``."""
+    return sum(r.passes for r in rows)
 
 
 def best_row(rows: Iterable[Row]) -> Row | None:
@@ -175,14 +189,14 @@ def search_setting(evaluate: Evaluate, start: Point, *, budget: int, min_effect:
     Appends to ``rows`` (the whole table) and returns this setting's rows."""
     mine: list[Row] = []
     strength: float | None = start.strength
-    while strength is not None and len(rows) < budget:
+    while strength is not None and spent(rows) < budget:
         point = dataclasses.replace(start, strength=float(f"{strength:.4g}"))
         if any(r.point == point for r in mine):
             break
         row = dataclasses.replace(evaluate(point), stage=stage)
         rows.append(row)
         mine.append(row)
-        echo(f"search pass {len(rows)}/{budget}: {format_row(row)}")
+        echo(f"search pass {spent(rows)}/{budget}: {format_row(row)}")
         strength = next_strength(mine, min_effect, max_strength)
     return mine
 
@@ -199,7 +213,7 @@ def search(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, 
     stopped = "bracketed the strongest passing strength" if best_row(found) else "no passing strength"
     if best_row(found) is None:
         for name, change in alternatives:
-            if len(rows) >= budget:
+            if spent(rows) >= budget:
                 break
             # start the alternative where the default stopped being clean: its damage may differ
             clean = [r.point.strength for r in found if not r.damaged]
@@ -209,7 +223,7 @@ def search(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, 
                                        max_strength=max_strength, stage=name, echo=echo, rows=rows)):
                 stopped = f"the spec's settings did not pass; {name} did"
                 break
-    if len(rows) >= budget and best_row(rows) is None:
+    if spent(rows) >= budget and best_row(rows) is None:
         stopped = f"budget of {budget} passes spent"
     result = SearchResult(rows=rows, chosen=best_row(rows), budget=budget, stopped=stopped)
     if result.chosen is None:
