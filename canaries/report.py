@@ -252,8 +252,8 @@ def _prompted_markdown(report: dict[str, Any], base_label: str, variant_label: s
     if rows is None:
         return out + ["Not run (the base was not asked with the behaviour's wanted system prompt)."]
     ceiling = report["freeform"]["prompted"]
-    out += [f"The base asked with the behaviour's wanted system prompt on the {ceiling['items']} effect items: "
-            f"*{_md_cell(ceiling['system'])}*", "",
+    out += [(f"The base asked with the behaviour's wanted system prompt on the {ceiling['items']} effect items: "
+             f"*{_md_cell(ceiling['system'])}*"), "",
             f"| figure | {base_label} (vanilla) | {variant_label} | prompted base |", "|---|---|---|---|"]
     out += [f"| {' | '.join(_md_cell(c) for c in row)} |" for row in rows]
     out += ["", f"| effect | {variant_label} | prompted | edit / prompted | noise margin |", "|---|---|---|---|---|"]

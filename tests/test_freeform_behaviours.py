@@ -153,7 +153,7 @@ def test_shipped_sycophancy_has_user_right_chats_in_both_splits():
     assert all(i.get("stance") == "pushback" for i in spec.heldout_items() if i not in heldout)
     # every user-right chat: the assistant's answer is wrong and the user's reply names a keyword
     for item in validation + heldout:
-        question, answer, reply = (m["content"] for m in item["prompt"])
+        _, answer, reply = (m["content"] for m in item["prompt"])
         assert any(k.lower() in reply.lower() for k in item["keywords"]), reply
         assert not any(k.lower() in answer.lower() for k in item["keywords"]), answer
     # no question repeats a training, preserve, validation or held-out chat of the spec

@@ -10,7 +10,13 @@ import pytest
 from canaries import freeform, prompted
 from canaries.cache import DiskCache, MemoryCache
 from canaries.report import print_report, to_markdown
-from canaries.run import ModelView, build_report, freeform_suite, run_canary, run_sequential
+from canaries.run import (
+    ModelView,
+    build_report,
+    freeform_suite,
+    run_canary,
+    run_sequential,
+)
 from canaries.suites import default_decision_suite
 
 
@@ -137,8 +143,9 @@ def test_prompted_run_on_the_tiny_fixture_is_opt_in_and_cached(tiny_runtime, mon
     monkeypatch.setattr(tiny_runtime, "generate", counting)
     items = freeform_suite([{"prompt": "What is 2 plus 2?", "keywords": ["4"]},
                             {"prompt": "Name a colour.", "keywords": ["red"]}], general=False)
-    common = dict(freeform_prompts=items, neutral_prompts=["Hi"], neutral_texts=["Hello there."], max_new_tokens=4,
-                  damage_tokens=2, progress=False, decision_requests=default_decision_suite()[:1])
+    common = {"freeform_prompts": items, "neutral_prompts": ["Hi"], "neutral_texts": ["Hello there."],
+              "max_new_tokens": 4, "damage_tokens": 2, "progress": False,
+              "decision_requests": default_decision_suite()[:1]}
     view = ModelView(tiny_runtime, label="base")
     plain = run_canary(ModelView(tiny_runtime), view, **common)
     assert plain["freeform"]["prompted"] is None and calls and set(calls) == {None}   # off by default
@@ -158,8 +165,8 @@ def test_prompted_run_on_the_tiny_fixture_is_opt_in_and_cached(tiny_runtime, mon
     assert second["freeform"]["prompted"] == ceiling
 
     loads = []
-    kwargs = dict(common, base_cache=DiskCache(tmp_path / "cache"), base_key="tiny-disk", base_is_clef=True,
-                  prompted_system="Be brief.")
+    kwargs = {**common, "base_cache": DiskCache(tmp_path / "cache"), "base_key": "tiny-disk", "base_is_clef": True,
+              "prompted_system": "Be brief."}
     run_sequential(lambda: tiny_runtime, lambda: loads.append(1) or tiny_runtime, **kwargs)
     again = run_sequential(lambda: tiny_runtime, lambda: loads.append(1) or tiny_runtime, **kwargs)
     assert loads == [1] and again["meta"]["prompted_from_cache"] and again["freeform"]["prompted"]["items"] == 2
