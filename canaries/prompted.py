@@ -90,7 +90,7 @@ def _length_effect(base_mean: float, variant_mean: float, prompted_mean: float) 
 def _note(effect: CeilingEffect) -> str:
     shown = (f"{effect.prompted * 100:+.1f} %" if effect.unit == "relative" else f"{effect.prompted:+.0f} items")
     margin = (f"{effect.margin * 100:.0f} %" if effect.unit == "relative" else f"{effect.margin:.0f} items")
-    if effect.reachable:
+    if effect.fraction is not None:
         return (f"{effect.name}: prompting reaches {shown}; the edit carries "
                 f"{effect.fraction * 100:.0f} % of it.")
     return (f"{effect.name}: the base does not do this behaviour even when asked (prompted effect {shown}, "
