@@ -113,10 +113,10 @@ _CUSTOMERS = (
      "Nora", "Omar", "Priya"],
     ["Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor"],
 )
-_STATUS_TEXT = {
-    "paid": ["paid", "paid in full"],
-    "overdue": ["overdue", "past due"],
-    "draft": ["draft", "not sent"],
+_STATUS_NOTES = {
+    "paid": ["Payment received, thank you.", "Settled by bank transfer."],
+    "overdue": ["Reminder sent twice.", "Due date passed last week."],
+    "draft": ["Not sent to the customer yet.", "Waiting for approval before sending."],
 }
 _CATEGORY_MESSAGES = {
     "billing": [
@@ -148,6 +148,7 @@ _IMPACT_TEXT = [
     ["My whole team is blocked by this.", "Our department of twelve cannot work."],
     ["All of our customers are affected right now.", "Every user of our shop is hit by this."],
 ]
+_AFFECTED = ["one user", "a team", "all customers"]
 _CARRIERS = ["DHL", "UPS", "FedEx", "PostNord", "La Poste"]
 _SHIPMENT_NOTES = {
     "delivered": ["Delivered to the recipient.", "Handed over at the front door."],
@@ -181,7 +182,8 @@ def _invoice(rng: random.Random, split: int, index: int) -> dict[str, Any]:
             "vendor": rng.choice(_VENDORS[split]),
             "total": round(rng.uniform(20, 9000), 2),
             "currency": rng.choice(["USD", "EUR", "GBP"]),
-            "status": rng.choice(_STATUS_TEXT[status]),
+            "status": status,
+            "note": rng.choice(_STATUS_NOTES[status]),
         }
     }
     answers = {"status": status, "overdue": "true" if status == "overdue" else "false"}
@@ -201,6 +203,9 @@ def _ticket(rng: random.Random, split: int, index: int) -> dict[str, Any]:
             "id": f"T-{split}{index:05d}",
             "customer": rng.choice(_CUSTOMERS[split]),
             "plan": rng.choice(["free", "pro", "enterprise"]),
+            "topic": category,
+            "affected": _AFFECTED[impact],
+            "wants": "refund" if refund else "a fix",
             "message": message,
         }
     }
@@ -216,11 +221,12 @@ def _shipment(rng: random.Random, split: int, index: int) -> dict[str, Any]:
             "order_id": f"ORD-{split}{index:05d}",
             "customer": rng.choice(_CUSTOMERS[split]),
             "carrier": rng.choice(_CARRIERS),
+            "status": status,
             "tracking": rng.choice(_SHIPMENT_NOTES[status]),
             "note": rng.choice(_DAMAGE_NOTES[int(damaged)]),
         }
     }
-    answers = {"shipment": status.replace("_", "_"), "damaged": "true" if damaged else "false"}
+    answers = {"shipment": status, "damaged": "true" if damaged else "false"}
     return _record(rng, f"shipment-{split}-{index}", state, answers)
 
 

@@ -54,12 +54,15 @@ TRAIN_INFO_FILE = "blaze_decision_training.json"
 class TrainSettings:
     """Training settings of the decision fixture (recorded in the release's `blaze_decision_training.json`)."""
 
-    train_records: int = 480
+    train_records: int = 400
     eval_records: int = 240
-    steps: int = 90
+    head_steps: int = 500  # stage 1: the head alone, on cached hidden states
+    head_batch_size: int = 16
+    head_stage_lr: float = 6e-3
+    lora_steps: int = 8  # stage 2: LoRA + head
     batch_size: int = 8
-    lr: float = 3e-3  # LoRA (clef-finetune's default 1e-4 is for a 9B model and 1,000 steps)
-    head_lr: float = 3e-3
+    lr: float = 1e-3  # LoRA (clef-finetune's default 1e-4 is for a 9B model and 1,000 steps)
+    head_lr: float = 5e-4
     warmup_steps: int = 8
     lora_r: int = 8
     lora_alpha: int = 16
@@ -125,10 +128,67 @@ def _encode(jsm: Any, tokenizer: Any, processor: Any, record: dict[str, Any]) ->
     return encoded, targets
 
 
-def _train(base: Path, records: list[dict[str, Any]], settings: TrainSettings, seed: int) -> tuple[Any, Any, dict]:
-    """Fine-tune LoRA + joint head on `records`; returns (merged backbone, head, log)."""
+def _hidden_states(model: Any, batch: dict[str, Any]) -> Any:
+    """The backbone's last hidden states for a collated batch, exactly as the release's `ClefModel.forward`."""
+    language_model = model.language_model
+    base_model = language_model.get_base_model() if hasattr(language_model, "get_base_model") else language_model
+    media = batch.get("media") or {}
+    text_model = base_model.model
+    if not media and hasattr(text_model, "language_model"):
+        text_model = text_model.language_model
+    return text_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                      return_dict=True, **media).last_hidden_state
+
+
+def _batch_loss(logits: Any, chunk: list[int], encoded: list, records: list, settings: TrainSettings) -> Any:
+    """clef-finetune's `question_loss` (label-smoothed CE + Brier) averaged over the batch's questions."""
     import torch
     from clef_finetune.losses import question_loss
+
+    losses = []
+    for record_logits, index in zip(logits, chunk):
+        record = records[index]
+        for question, question_logits, target in zip(encoded[index][0].questions, record_logits, encoded[index][1]):
+            loss, _ = question_loss(question_logits, target, record["questions"][question.question_id]["type"],
+                                    settings.label_smoothing, settings.brier_weight, 0.0)
+            losses.append(loss)
+    return torch.stack(losses).mean()
+
+
+def _schedule(optimizer: Any, steps: int, warmup: int) -> Any:
+    """clef-finetune's schedule (train.py): linear warm-up, then cosine to zero."""
+    import torch
+
+    def lr_lambda(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+
+def _batches(count: int, size: int, steps: int, rng: random.Random):
+    """`steps` batches of record indices, reshuffled every epoch."""
+    order: list[int] = []
+    for _ in range(steps):
+        chunk = []
+        for _ in range(size):
+            if not order:
+                order = list(range(count))
+                rng.shuffle(order)
+            chunk.append(order.pop())
+        yield chunk
+
+
+def _train(base: Path, records: list[dict[str, Any]], settings: TrainSettings, seed: int) -> tuple[Any, Any, dict]:
+    """Fine-tune the joint head, then LoRA + head, on `records`; returns (merged backbone, head, log).
+
+    Stage 1 trains the head alone on the backbone's hidden states, computed once per record (the backbone
+    is frozen, so they do not change): many epochs cost seconds. Stage 2 trains LoRA and the head together
+    (clef-finetune's full recipe) for `lora_steps` batches.
+    """
+    import torch
     from clef_finetune.model import DEFAULT_EXCLUDE, build_training_model
     from clef_finetune.train import load_config, seed_everything
 
@@ -143,54 +203,64 @@ def _train(base: Path, records: list[dict[str, Any]], settings: TrainSettings, s
     seed_everything(seed)
     with contextlib.redirect_stdout(io.StringIO()):  # clef-finetune prints its target list
         model, peft_model, head, tokenizer, processor, jsm, _, targets = build_training_model(cfg, "cpu")
-    lora_params = [p for p in peft_model.parameters() if p.requires_grad]
-    head_params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": lora_params, "lr": settings.lr},
-                                   {"params": head_params, "lr": settings.head_lr}], weight_decay=0.0)
-
-    def lr_lambda(step: int) -> float:  # clef-finetune's schedule (train.py)
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     encoded = [_encode(jsm, tokenizer, processor, record) for record in records]
     rng = random.Random(seed)
-    order: list[int] = []
-    model.train()
+    cpu = torch.device("cpu")
     started = time.perf_counter()
-    history = []
-    for step in range(settings.steps):
-        chunk = []
-        for _ in range(settings.batch_size):
-            if not order:
-                order = list(range(len(encoded)))
-                rng.shuffle(order)
-            chunk.append(order.pop())
-        batch = jsm.collate_records([encoded[i][0] for i in chunk], tokenizer.pad_token_id, torch.device("cpu"))
-        logits = model(batch)
-        losses = []
-        for record_logits, index in zip(logits, chunk):
-            record = records[index]
-            for question, question_logits, target in zip(encoded[index][0].questions, record_logits,
-                                                          encoded[index][1]):
-                loss, _ = question_loss(question_logits, target, record["questions"][question.question_id]["type"],
-                                        settings.label_smoothing, settings.brier_weight, 0.0)
-                losses.append(loss)
-        loss = torch.stack(losses).mean()
+    lm_head = model.language_model.get_output_embeddings().weight
+
+    # stage 1: the head on cached hidden states
+    model.eval()
+    hidden = []
+    with torch.no_grad():
+        for index in range(len(encoded)):
+            batch = jsm.collate_records([encoded[index][0]], tokenizer.pad_token_id, cpu)
+            hidden.append(_hidden_states(model, batch)[0])
+    _log(f"hidden states of {len(encoded)} records ({time.perf_counter() - started:.0f} s)")
+    head_params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(head_params, lr=settings.head_stage_lr, weight_decay=0.0)
+    scheduler = _schedule(optimizer, settings.head_steps, settings.warmup_steps)
+    head_loss = []
+    for chunk in _batches(len(encoded), settings.head_batch_size, settings.head_steps, rng):
+        batch = jsm.collate_records([encoded[i][0] for i in chunk], tokenizer.pad_token_id, cpu)
+        states = torch.zeros(len(chunk), batch["input_ids"].shape[1], hidden[0].shape[-1])
+        for row, i in enumerate(chunk):
+            states[row, : hidden[i].shape[0]] = hidden[i]
+        logits = model.head(states, batch["input_ids"], batch["attention_mask"], batch["records"], lm_head)
+        loss = _batch_loss(logits, chunk, encoded, records, settings)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head_params, settings.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        head_loss.append(loss.item())
+        if len(head_loss) % 50 == 0:
+            _log(f"head step {len(head_loss)}/{settings.head_steps} loss {sum(head_loss[-50:]) / 50:.4f} "
+                 f"({time.perf_counter() - started:.0f} s)")
+
+    # stage 2: LoRA + head (clef-finetune's recipe), batched
+    lora_params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": lora_params, "lr": settings.lr},
+                                   {"params": head_params, "lr": settings.head_lr}], weight_decay=0.0)
+    scheduler = _schedule(optimizer, settings.lora_steps, min(settings.warmup_steps, max(1, settings.lora_steps)))
+    model.train()
+    lora_loss = []
+    for chunk in _batches(len(encoded), settings.batch_size, settings.lora_steps, rng):
+        batch = jsm.collate_records([encoded[i][0] for i in chunk], tokenizer.pad_token_id, cpu)
+        loss = _batch_loss(model(batch), chunk, encoded, records, settings)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lora_params + head_params, settings.max_grad_norm)
         optimizer.step()
         scheduler.step()
-        history.append(round(loss.item(), 5))
-        if (step + 1) % 10 == 0:
-            _log(f"step {step + 1}/{settings.steps} loss {sum(history[-10:]) / 10:.4f} "
-                 f"({time.perf_counter() - started:.0f} s)")
+        lora_loss.append(loss.item())
+        _log(f"LoRA step {len(lora_loss)}/{settings.lora_steps} loss {loss.item():.4f} "
+             f"({time.perf_counter() - started:.0f} s)")
     model.eval()
     merged = peft_model.merge_and_unload()
-    log = {"lora_targets": len(targets), "loss_first": history[0], "loss_last10": sum(history[-10:]) / 10,
+    log = {"lora_targets": len(targets), "head_loss_first": round(head_loss[0], 4) if head_loss else None,
+           "head_loss_last50": round(sum(head_loss[-50:]) / max(1, len(head_loss[-50:])), 4),
+           "lora_loss_last": round(lora_loss[-1], 4) if lora_loss else None,
            "train_seconds": round(time.perf_counter() - started, 1)}
     return merged, head, log
 
@@ -269,7 +339,7 @@ def _build(folder: Path, seed: int, settings: TrainSettings) -> None:
 
     started = time.perf_counter()
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(1)  # shared CPUs: more threads made training several times slower (measured)
     try:
         scratch = folder.parent / (folder.name + ".base")
         shutil.rmtree(scratch, ignore_errors=True)
