@@ -13,10 +13,13 @@ Checks before anything is uploaded (any failure refuses, unless ``force``):
   (``canaries.integrity.side_file_integrity``): every side file (joint head, release code, tokenizer, ...)
   equals the base's.
 
-Then the card is rendered into ``README.md`` (the one file that is not hash-checked: it is regenerated
-here) and the folder goes up with ``huggingface_hub`` (``create_repo(exist_ok=True)``, ``create_branch``
-for a new ``revision``, ``upload_folder``; the library handles large files and shows progress). When the
-upload fails, the folder's earlier ``README.md`` (or its absence) is put back.
+Then the card is rendered (``README.md``, the one file that is not hash-checked: it is regenerated here)
+and the folder goes up with ``huggingface_hub`` (``create_repo(exist_ok=True)``, ``create_branch`` for a
+new ``revision``, then ONE ``create_commit`` of every verified file plus the card from memory; the library
+uploads large files first and shows progress). One commit is atomic on the Hub: a run killed at any point
+leaves either no new commit or the whole upload, never a repo that holds part of the variant (``upload_folder``
+would commit a large folder in several batches when ``hf_xet`` is installed). The card is written into the
+folder only after the commit succeeded, so a failed or killed upload leaves the folder as it was.
 
 The token is read from the environment (``--token-env``, default ``HF_TOKEN``) or huggingface_hub's
 stored login, and only ever handed to ``HfApi``: it is never printed, logged, or written to a file.
@@ -25,8 +28,8 @@ stored login, and only ever handed to ``HfApi``: it is never printed, logged, or
 
 from __future__ import annotations
 
-import glob
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +41,7 @@ from clef_model.checkpoint import sha256_file
 from clef_model.errors import BlazeError
 from clef_model.files import CANARY_JSON, CANARY_MD, CARD_FILE, MANIFEST_FILE
 from clef_model.manifest import Manifest, find_manifest
-from variants.card import read_json, render_card, write_card
+from variants.card import read_json, render_card
 
 CARD = CARD_FILE
 # Files that may sit beside the manifest's list: the manifest itself, the canary reports (they can be
@@ -257,50 +260,54 @@ def publish(variant_dir: Path, repo_id: str, *, private: bool = False, revision:
         echo(card)
         return result
 
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
 
     if constants.is_offline_mode():
         raise BlazeError("HF_HUB_OFFLINE is set: publishing needs the Hub; unset it, or use --dry-run")
     token = resolve_token(token_env)
     api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
-    card_path = folder / CARD
-    earlier_card = card_path.read_bytes() if card_path.is_file() else None
-    write_card(folder, repo_id)
     quiet = env.quiet() and not are_progress_bars_disabled()
     if quiet:
         disable_progress_bars()
     behaviour = check.manifest.behavior if check.manifest is not None else None
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name, _ in check.files]
+    operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode("utf-8")))
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         echo(f"repo: {url}")
         if branch != "main":
             api.create_branch(repo_id, branch=branch, exist_ok=True, repo_type="model")
-        names = [name for name, _ in check.files] + [CARD]
-        info = api.upload_folder(
-            repo_id=repo_id, folder_path=folder, revision=branch, repo_type="model",
-            allow_patterns=[glob.escape(name) for name in names],
+        info = api.create_commit(
+            repo_id=repo_id, operations=operations, revision=branch, repo_type="model",
             commit_message=f"blaze: publish {behaviour + ' ' if behaviour else ''}variant",
         )
-    except BaseException as error:
-        _restore_card(card_path, earlier_card)
+    except BaseException as error:  # noqa: BLE001 - re-raised as a BlazeError or unchanged
         _raise_upload_error(error, repo_id, api.endpoint)
     finally:
         if quiet:
             enable_progress_bars()
+    _write_card_text(folder / CARD, card)
     result.commit_url = getattr(info, "commit_url", None) or str(info)
-    echo(f"published {len(names)} files to {repo_id}@{branch}: {result.commit_url}")
+    echo(f"published {len(operations)} files to {repo_id}@{branch}: {result.commit_url}")
     return result
 
 
-def _restore_card(card_path: Path, earlier: bytes | None) -> None:
-    """Put back the folder's README.md as it was before publish rendered the card (or remove it)."""
-    if earlier is None:
-        card_path.unlink(missing_ok=True)
-        return
-    tmp = card_path.with_name(f".{card_path.name}.restore")
-    tmp.write_bytes(earlier)
-    os.replace(tmp, card_path)
+def _write_card_text(card_path: Path, card: str) -> None:
+    """Write the uploaded card into the folder atomically (temp file + rename; the temp is hidden, never uploaded)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{card_path.name}.", dir=card_path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(card)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, card_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _raise_upload_error(error: BaseException, repo_id: str, endpoint: str) -> NoReturn:
