@@ -236,3 +236,19 @@ def test_usage_snippets_run_on_the_tiny_release(variant: Path, tiny_release: Pat
         exec(compile(block, "<card>", "exec"), {})  # noqa: S102 - our own rendered snippet
     printed = capsys.readouterr().out
     assert "'status'" in printed and "overdue" in printed  # systemone answered the card's request
+
+
+def test_search_table_and_passes_in_the_card(variant: Path):
+    """The adaptive search's rows (settings, verdict, reason, figures) and its passes reach the card."""
+    manifest = json.loads((variant / "blaze_manifest.json").read_text())
+    rows = [{"strength": 0.4, "method": "steer", "lam": 1.0, "stage": "strength", "passed": True, "failed": [],
+             "reason": "pass", "effect": 0.3},
+            {"strength": 0.8, "method": "steer", "lam": 1.0, "stage": "strength", "passed": False,
+             "failed": ["quality"], "reason": "damage: quality", "effect": 0.5}]
+    manifest["edit"].update(sweep=rows, strength=0.4, search={"budget": 8, "passes": 3, "stopped": "bracketed",
+                                                               "chosen": {"strength": 0.4}, "rows": rows})
+    (variant / "blaze_manifest.json").write_text(json.dumps(manifest))
+    card = render_card(variant)
+    assert "search of 2 points (3 of 8 generation passes; bracketed)" in card
+    assert "| 0.4 (chosen) | pass | steer | 1 | strength | pass | 0.3 |" in card
+    assert "| 0.8 | fail: quality | steer | 1 | strength | damage: quality | 0.5 |" in card

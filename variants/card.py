@@ -277,8 +277,15 @@ def _method_section(variant_dir: Path, manifest: Manifest | None, spec_name: str
         out.append(f"- Relative change ‖ΔW‖/‖W‖ per edited matrix: {min(changes):.4f} to {max(changes):.4f}")
     sweep = edit.sweep
     if sweep:
-        out.append(f"- Strength chosen automatically: the strongest of {len(sweep)} grid points that passed the "
-                   "canary gate on the spec's validation split (never its held-out canary prompts):")
+        search = edit.extra.get("search") if isinstance(edit.extra.get("search"), Mapping) else None
+        if search:  # the adaptive search (variants/search.py, docs/METHOD.md "Strength search")
+            out.append(f"- Settings chosen automatically by a search of {len(sweep)} points ({search.get('passes')} "
+                       f"of {search.get('budget')} generation passes; {search.get('stopped')}): "
+                       "the passing point with the largest effect on the spec's validation split, passing points "
+                       "also checked for new loops on its training questions (never its held-out canary prompts):")
+        else:
+            out.append(f"- Strength chosen automatically: the strongest of {len(sweep)} grid points that passed "
+                       "the canary gate on the spec's validation split (never its held-out canary prompts):")
         out.append("")
         out += _sweep_table(sweep, edit.strength)
     out.append("")
