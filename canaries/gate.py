@@ -74,6 +74,15 @@ class Thresholds:
 THRESHOLD_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Thresholds)}
 
 
+def is_finite(value: float) -> bool:
+    """Finite as a float. An integer too large for a float (JSON allows ``1`` followed by 400 zeros) is not:
+    ``math.isfinite`` would raise ``OverflowError`` on it."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def threshold_problems(values: Mapping[str, Any]) -> list[str]:
     """Problems of threshold values, one ``name: problem`` each (empty when all are valid).
 
@@ -91,7 +100,7 @@ def threshold_problems(values: Mapping[str, Any]) -> list[str]:
         integer = THRESHOLD_FIELDS[name].type in ("int", int)
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             problems.append(f"{name}: must be {'an integer' if integer else 'a number'}, got {value!r}")
-        elif not math.isfinite(value):
+        elif not is_finite(value):
             problems.append(f"{name}: must be finite")
         elif value < 0:
             problems.append(f"{name}: must be ≥ 0, got {value}")

@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Union
 
-from canaries.gate import THRESHOLD_FIELDS, Thresholds, threshold_problems
+from canaries.gate import THRESHOLD_FIELDS, Thresholds, is_finite, threshold_problems
 from clef_model.errors import BlazeError
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
@@ -128,6 +128,8 @@ def parse_strength(value: Any) -> float | str:
         return "auto"
     try:
         number = float(value) if not isinstance(value, bool) else float("nan")
+    except OverflowError:  # an integer too large for a float (JSON allows it): out of range, refused below
+        number = math.inf
     except (TypeError, ValueError):
         raise BlazeError(f"strength must be a number or 'auto', got {value!r}") from None
     if not math.isfinite(number) or not 0 <= number <= STRENGTH_MAX:
@@ -231,7 +233,7 @@ def settings_problems(settings: EditSettings) -> list[str]:
             problems.append(f"{name}: must be an integer ≥ {minimum}, got {value!r}")
     for name in ("lam", "threshold"):
         value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value) or value < 0:
             problems.append(f"{'lambda' if name == 'lam' else name}: must be a finite number ≥ 0, got {value!r}")
     try:
         parse_strength(settings.strength)
@@ -368,6 +370,8 @@ def _load_file(path: Path, expected_name: str | None) -> BehaviorSpec:
                         "spec files are strict JSON (no comments, no trailing commas)") from None
     except (OSError, UnicodeDecodeError) as error:
         raise SpecError(f"{path}: cannot read the spec file ({error})") from None
+    except ValueError as error:  # json reads integers of at most 4300 digits (sys.get_int_max_str_digits)
+        raise SpecError(f"{path}: a number in the spec file is too long ({error}); use a value in range") from None
     spec = parse_behavior(data, source=str(path))
     if expected_name is not None and spec.name != expected_name:
         raise SpecError(f"{path}: name: {spec.name!r} must equal the file name {expected_name!r} (the variant's "
