@@ -155,6 +155,8 @@ def print_report(report: dict[str, Any], echo=click.echo) -> None:
     base_label, variant_label = labels.get("base_label", "base"), labels.get("variant_label", "variant")
     echo("")
     _echo_table([("figure", base_label, variant_label, "change / note")] + summary_rows(report), echo)
+    for warning in report.get("warnings") or []:
+        echo(f"warning: {warning}")
     example = example_prompt(report)
     if example:
         echo("")
@@ -224,6 +226,8 @@ def to_markdown(report: dict[str, Any]) -> str:
                + ("" if gate["passed"] else f" ({', '.join(gate['failed'])})"))
     out += ["", f"| figure | {base_label} (vanilla) | {variant_label} | change / note |", "|---|---|---|---|"]
     out += [f"| {' | '.join(_md_cell(c) for c in row)} |" for row in summary_rows(report)]
+    if report.get("warnings"):
+        out += ["", "### Warnings", ""] + [f"- {_md_cell(w)}" for w in report["warnings"]]
     example = example_prompt(report)
     if example:
         out += ["", "### Free-form example", "", f"**Prompt:** {_md_cell(_prompt_text(example['prompt']))}", "",

@@ -89,6 +89,7 @@ def collect_side(view: ModelView, suite: CanarySuite, settings: dict[str, Any], 
     runtime = view.runtime
     batch = settings["batch_size"]
     steps = 3 if suite["decisions"] else 2
+    warned = len(getattr(runtime, "warnings", []))  # this side reports only the warnings of its own run
     started = time.perf_counter()
     with view.activate(), _progress(steps, progress, f"canary {view.label}") as bar:
         bar.set_postfix_str("free-form")
@@ -108,7 +109,14 @@ def collect_side(view: ModelView, suite: CanarySuite, settings: dict[str, Any], 
             side["decisions"] = runtime.decision_probabilities(request_bodies(suite["decisions"]), batch_size=batch)
             bar.update()
     side["seconds"] = time.perf_counter() - started
+    side["warnings"] = list(getattr(runtime, "warnings", [])[warned:])  # e.g. a decision request's state cut
     return side
+
+
+def report_warnings(*sides: dict) -> list[str]:
+    """The runtime warnings of the report's runs (e.g. a decision request whose state was cut to the token
+    limit), each once in order: base and variant cut the same request the same way."""
+    return list(dict.fromkeys(w for side in sides if side for w in side.get("warnings", [])))
 
 
 def collect_prompted(view: ModelView, suite: CanarySuite, settings: dict[str, Any], system: str,
@@ -159,6 +167,7 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
                                                       variant_side["decisions"])
                       if suite["decisions"] is not None else decisions_mod.not_applicable()),
         "integrity": integrity,
+        "warnings": report_warnings(base_side, variant_side),
     }
     report["gate"] = gate_mod.evaluate(report, thresholds or {})
     report["meta"] = {"settings": settings, "base_label": labels[0], "variant_label": labels[1],

@@ -195,3 +195,25 @@ def test_cli_tight_threshold_and_altered_joint_head_fail_with_exit_1(tiny_releas
     assert "FAIL] first_token_kl" in result.output                      # the tightened threshold
     assert "joint head (joint_head.safetensors) differs" in result.output  # and integrity
     assert "gate: FAILED (first_token_kl, integrity)" in result.output
+
+
+def test_a_decision_state_cut_to_the_token_limit_is_in_the_report(tiny_runtime, monkeypatch):
+    """Runtime.warnings of the canary's runs (here a state cut to the input cap) reach the JSON and markdown."""
+    from functools import partial
+
+    from canaries.report import to_markdown
+
+    capped = partial(type(tiny_runtime).decision_probabilities, tiny_runtime, max_length=512)  # a cap a test can fill
+    monkeypatch.setattr(tiny_runtime, "decision_probabilities", capped)
+    suites = small_suites()
+    first = suites["decision_requests"][0]
+    suites["decision_requests"] = [first, {**first, "id": "long-state", "state": {"notes": "word " * 2000}}]
+    base, variant = ModelView(tiny_runtime, label="base"), ModelView(tiny_runtime, label="variant")
+    report = json.loads(json.dumps(run_canary(variant, base, max_new_tokens=4, progress=False, **suites)))
+    assert len(report["warnings"]) == 1, report["warnings"]  # base and variant cut it alike: said once
+    assert report["warnings"][0].startswith("request 1: its state is") and "only the first" in report["warnings"][0]
+    markdown = to_markdown(report)
+    assert "### Warnings" in markdown and "request 1: its state is" in markdown
+    suites["decision_requests"] = [first]
+    clean = run_canary(variant, base, max_new_tokens=4, progress=False, **suites)
+    assert clean["warnings"] == [] and "### Warnings" not in to_markdown(clean)
