@@ -164,6 +164,7 @@ def test_publish_killed_with_sigkill_then_rerun(tiny_release: Path, tmp_path: Pa
     rerun = CliRunner().invoke(main, ["publish", str(variant), "--repo", REPO], catch_exceptions=False)
     assert rerun.exit_code == 0, rerun.output
     assert _uploaded(hub, variant) == "whole"
+    assert hub.state.commits == 1  # the whole variant in one commit (a rerun after a landed commit adds none)
     assert (variant / "README.md").read_bytes() == hub.files(REPO)["README.md"].read_bytes()
     assert set(_tree(variant)) == set(variant_before) | {"README.md"}  # the card and nothing else was added
     assert _tree(tiny_release) == base_before
