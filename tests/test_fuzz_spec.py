@@ -90,10 +90,10 @@ def mutated_specs(draw: st.DrawFn) -> Any:
 
 
 def _depth(error: BlazeError) -> str:
-    """'deep' when the first problem names a field inside the spec (a dot or an index), else 'shallow'."""
-    lines = str(error).splitlines()
-    first = lines[1].strip() if len(lines) > 1 else lines[0]
-    return "deep" if ("." in first.split(":")[0] or "[" in first.split(":")[0]) else "shallow"
+    """'deep' when a problem names a field inside a section (a dot or an index: the validator reached the
+    nested checks; it reports every problem, so a top-level one beside it does not stop them), else 'shallow'."""
+    fields = [line.strip().split(":")[0] for line in str(error).splitlines()[1:]]
+    return "deep" if any("." in f or "[" in f for f in fields) else "shallow"
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
