@@ -359,8 +359,8 @@ def _build(folder: Path, seed: int, settings: TrainSettings) -> None:
         torch.set_num_threads(threads)
     heldout = generate(settings.eval_records, seed=seed, heldout=True)
     (folder / EVAL_FILE).write_text(_eval_lines(heldout, folder), encoding="utf-8")
-    info = {"seed": seed, "settings": asdict(settings), "trainer": "clef-finetune 0.1.0 (model, loss, schedule; "
-            "batched loop and layout-keeping export by blaze)", "changed_tensors": len(changed), **log,
+    info = {"seed": seed, "settings": asdict(settings), "trainer": "clef-finetune 0.1.0 (model assembly, loss, schedule; "
+            "two-stage loop and layout-keeping export by blaze)", "changed_tensors": len(changed), **log,
             "build_seconds": round(time.perf_counter() - started, 1)}
     (folder / TRAIN_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     for path in folder.rglob("*"):
