@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_model.errors import BlazeError
 from clef_model.files import CANARY_JSON, CANARY_MD
-from variants.search import Point, Row, SearchResult, search
+from variants.search import Point, Row, SearchResult, format_table, search
 
 if TYPE_CHECKING:
     from canaries.gate import Thresholds
@@ -370,7 +370,11 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         echo(f"LoRA adapter: {opts.export_lora}")
     seconds = time.perf_counter() - started
     rels = [i.get("rel_change") for i in patch.metadata["targets"].values() if i.get("rel_change") is not None]
+    search_lines = [] if found is None else [
+        f"strength search ({found.passes} of {found.budget} generation passes; {found.stopped}):",
+        format_table(found.rows), f"chosen: {start.label()}"]
     summary = "\n".join([
+        *search_lines,
         format_targets(patch.metadata["targets"]),
         f"edited {len(patch.names())} matrices, rank ≤ {s.rank}, method {start.method}, "
         f"strength {strength:g} ({choice['strength_mode']}), λ {start.lam:g}",
