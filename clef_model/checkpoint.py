@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -528,13 +528,9 @@ class ShardedWriter:
             raise ValueError(f"tensor {name!r}: got {written} bytes, expected {nbytes} for {dtype}{list(shape)}")
 
     def start_tensor(self, name: str, dtype: str, shape: Sequence[int]) -> int:
-        """Begin a tensor whose bytes the caller then supplies with `write_range` calls; returns its size."""
+        """Begin a tensor whose bytes the caller then writes to `_file()` itself (surgery.write's hashed copy);
+        returns its size."""
         return self._start_tensor(name, dtype, shape)
-
-    def write_range(self, src, offset: int, nbytes: int) -> None:
-        """Append `nbytes` of `src` (a path, or a file open for binary reading) from `offset` to the current
-        tensor (kernel-side copy)."""
-        copy_range(src, offset, nbytes, self._file())
 
     def _file(self):
         """The open shard file that raw copies go to (subclasses that wrap the handle return the real file)."""
@@ -606,13 +602,6 @@ def copy_file(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
     os.chmod(dst, 0o644)
-
-
-def iter_chunks(data: bytes | memoryview, chunk_bytes: int = _COPY_CHUNK) -> Iterable[memoryview]:
-    """Split a bytes-like object into memoryview chunks (no copies)."""
-    view = memoryview(data).cast("B")
-    for start in range(0, len(view), chunk_bytes):
-        yield view[start : start + chunk_bytes]
 
 
 def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:

@@ -54,11 +54,6 @@ def pair_differences(wanted_means: torch.Tensor, unwanted_means: torch.Tensor) -
     return (wanted_means - unwanted_means).double()
 
 
-def mean_difference(wanted_means: torch.Tensor, unwanted_means: torch.Tensor) -> torch.Tensor:
-    """Difference of means (d,), wanted − unwanted."""
-    return pair_differences(wanted_means, unwanted_means).mean(0)
-
-
 def principal_directions(differences: torch.Tensor, rank: int) -> torch.Tensor:
     """Rank-k orthonormal basis (d × k) of the paired differences.
 
@@ -167,8 +162,8 @@ def _align(basis: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
 def choose_band(scores: dict[int, float], num_layers: int, width: int | None = None) -> list[int]:
     """``--layers auto``: the contiguous band of layers with the best mean separation score.
 
-    The band is ``width`` layers wide (default 45% of the depth, the share that worked in the
-    SmolLM2 check of DESIGN §5) and never includes the first or the last layer: the first still
+    The band is ``width`` layers wide (default 45% of the depth, the share that worked on SmolLM2 while
+    blaze was designed; not re-measured in this repo) and never includes the first or the last layer: the first still
     mostly reflects token identity, the last feeds the output head directly.
     """
     if width is None:

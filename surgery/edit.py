@@ -49,19 +49,6 @@ class EditPlan:
     method: str = "steer"
     rank: int = 1
 
-    def summary(self) -> str:
-        """A few lines for the terminal: how many matrices of which kind, in which layers, what rank."""
-        by_kind: dict[str, int] = {}
-        for name in self.targets:
-            kind = split_name(name)[1]
-            by_kind[kind] = by_kind.get(kind, 0) + 1
-        params = sum((s[0] + s[1]) * self.rank for s in self.shapes.values())
-        kinds = ", ".join(f"{k} ×{n}" for k, n in by_kind.items())
-        return (
-            f"plan: {self.method}, rank {self.rank}, {len(self.targets)} matrices in layers "
-            f"{_ranges(self.layers)} of {self.num_layers} ({kinds}); ~{params:,} factor parameters"
-        )
-
 
 def _ranges(layers: Sequence[int]) -> str:
     out, layers = [], sorted(layers)

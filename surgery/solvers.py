@@ -1,4 +1,4 @@
-"""Closed-form, rank-limited weight edits (DESIGN §5; the math and citations are in docs/METHOD.md).
+"""Closed-form, rank-limited weight edits (the math and citations are in docs/METHOD.md).
 
 Every solver returns factors ``U`` (d_out × k) and ``V`` (d_in × k) with ΔW = U Vᵀ, so the rank is at
 most k by construction. All arithmetic runs in float64 (inputs are moments and means, so the

@@ -49,7 +49,6 @@ class KeyStats:
     pair_counts: torch.Tensor          # n_pairs
     wanted_means: torch.Tensor         # n_pairs × d_in, mean key on the wanted side
     unwanted_means: torch.Tensor       # n_pairs × d_in
-    preserve_mean: torch.Tensor | None = None
     preserve_moment: torch.Tensor | None = None
     preserve_count: int = 0
 
@@ -112,7 +111,9 @@ class Statistics:
             wanted_means=payload["wanted_means"],
             unwanted_means=payload["unwanted_means"],
             pair_direction=payload["pair_direction"],
-            keys={name: KeyStats(**d) for name, d in payload["keys"].items()},
+            # files written before preserve_mean was dropped still hold it: only the known fields are read
+            keys={name: KeyStats(**{k: v for k, v in d.items() if k in KeyStats.__dataclass_fields__})
+                  for name, d in payload["keys"].items()},
             meta=payload["meta"],
         )
 
@@ -139,7 +140,7 @@ def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int =
     ``positions="response"``: those that predict a response token, from the last prompt token (which
     predicts the first response token) to the last response token (which predicts the end).
     ``positions="prompt_end"``: only the last prompt token, responses left out — the system-prompt
-    contrast alone (DESIGN §5's SmolLM2 recipe); the direction then carries the "mode", not the
+    contrast alone (the recipe that worked on SmolLM2 while blaze was designed); the direction then carries the "mode", not the
     content of the two responses.
     ``positions="shared_response"``: each of the pair's responses (wanted, then unwanted) follows the
     prompt under *both* system prompts, read at the response positions as with ``"response"``: the two
@@ -204,7 +205,6 @@ class _Collector:
         self.side: torch.Tensor | None = None
         self.mode = "behaviour"
         self.res_sum: dict[int, torch.Tensor] = {}
-        self.res_count = torch.zeros(2, n_pairs, dtype=acc_dtype, device=device)
         self.key: dict[str, dict[str, Any]] = {}
         self.handles = []
         layers = runtime.decoder_layers()
@@ -248,7 +248,7 @@ class _Collector:
             if acc is None:
                 z = lambda *shape: torch.zeros(*shape, dtype=self.acc, device=self.device)  # noqa: E731
                 acc = self.key[name] = {
-                    "b_sum": z(d), "b_mom": z(d, d), "b_n": 0, "p_sum": z(d), "p_mom": z(d, d), "p_n": 0,
+                    "b_sum": z(d), "b_mom": z(d, d), "b_n": 0, "p_mom": z(d, d), "p_n": 0,
                     "pair_sum": z(2 * self.n_pairs, d),
                 }
             if self.mode == "behaviour":
@@ -257,7 +257,6 @@ class _Collector:
                 acc["b_n"] += rows.shape[0]
                 acc["pair_sum"].index_add_(0, self.side * self.n_pairs + self.pair, rows)
             else:
-                acc["p_sum"] += rows.sum(0)
                 acc["p_mom"] += self._moment(rows32)
                 acc["p_n"] += rows.shape[0]
         return hook
@@ -376,7 +375,6 @@ def collect(
             unwanted_means=side_means[n:],
         )
         if a["p_n"]:
-            ks.preserve_mean = a["p_sum"] / a["p_n"]
             ks.preserve_moment = a["p_mom"] / a["p_n"]
             ks.preserve_count = int(a["p_n"])
         keys[name] = ks

@@ -219,8 +219,3 @@ def split_name(name: str) -> tuple[int, str]:
     if not match:
         raise BlazeError(f"{name!r} is not a per-layer decoder matrix")
     return int(match["layer"]), match["kind"]
-
-
-def is_writer(name: str) -> bool:
-    """True when the matrix writes the residual stream."""
-    return split_name(name)[1] in WRITERS

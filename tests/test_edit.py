@@ -42,7 +42,6 @@ def test_plan_resolves_writers_per_layer_type(tiny_runtime):
     kinds = {split_name(n) for n in p.targets}
     assert (3, "self_attn.o_proj") in kinds and (2, "linear_attn.out_proj") in kinds
     assert (2, "mlp.down_proj") in kinds and len(p.targets) == 6
-    assert "6 matrices" in p.summary() and "2-4" in p.summary()
     with pytest.raises(BlazeError, match="out of range"):
         plan(tiny_runtime, "2-40", "writers")
     with pytest.raises(BlazeError, match="unknown method"):

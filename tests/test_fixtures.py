@@ -136,7 +136,7 @@ def test_9b_layout_matches_the_real_release_sizes() -> None:
     total = sum(tensor_nbytes(dtype, shape) for _, dtype, shape in layout)
     assert total == 19_306_216_416  # Clef-Flash's published index total_size
     loaded = [(n, s) for n, _, s in layout if not n.startswith("mtp.")]
-    assert sum(torch.Size(s).numel() for _, s in loaded) == 9_409_813_744  # DESIGN §4
+    assert sum(torch.Size(s).numel() for _, s in loaded) == 9_409_813_744  # the real release's shapes
     shapes = dict((n, s) for n, _, s in layout)
     prefix = "model.language_model.layers"
     assert shapes[f"{prefix}.3.self_attn.q_proj.weight"] == (8192, 4096)

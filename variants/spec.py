@@ -31,7 +31,6 @@ ROLES = ("system", "user", "assistant")
 METHODS = ("steer", "ablate", "nullspace")
 QUALITIES = ("keywords", "no_cave")
 STANCES = ("pushback", "user_right")
-SPLITS = ("train", "validation")
 
 
 class SpecError(BlazeError):
