@@ -13,7 +13,8 @@ batch of them back at a time and reduces it to per-position KL before the next b
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -82,9 +83,9 @@ def reference_pass(runtime: Any, prompts: list[Any], texts: list[str], *, damage
     prompt_ids = [list(runtime.chat_ids(prompt)) for prompt in prompts]
     generations = runtime.generate(list(prompts), max_new_tokens=damage_tokens, batch_size=batch_size)
     continuations = [_continuation_tokens(g, damage_tokens) for g in generations]
-    sequences = [ids + cont for ids, cont in zip(prompt_ids, continuations)]
+    sequences = [ids + cont for ids, cont in zip(prompt_ids, continuations, strict=True)]
     positions = [list(range(len(ids) - 1, len(ids) - 1 + max(1, len(cont))))
-                 for ids, cont in zip(prompt_ids, continuations)]
+                 for ids, cont in zip(prompt_ids, continuations, strict=True)]
     vocab_rows = sum(len(p) for p in positions)
     log_probs: list[torch.Tensor | None] = [None] * len(sequences)
 
@@ -125,7 +126,7 @@ def compare_pass(runtime: Any, reference: dict[str, Any], *, batch_size: int) ->
 def summarize(prompts: list[Any], reference: dict[str, Any], compared: dict[str, Any]) -> dict[str, Any]:
     """The damage section of the report."""
     rows = []
-    for prompt, kl, continuation in zip(prompts, compared["kl"], reference["continuations"]):
+    for prompt, kl, continuation in zip(prompts, compared["kl"], reference["continuations"], strict=True):
         rows.append({"prompt": prompt, "first_token_kl": kl[0], "mean_token_kl": sum(kl) / len(kl),
                      "max_token_kl": max(kl), "positions": len(kl), "base_continuation": continuation})
     all_kl = [value for kl in compared["kl"] for value in kl]
@@ -133,7 +134,7 @@ def summarize(prompts: list[Any], reference: dict[str, Any], compared: dict[str,
     base_nll, var_nll = sum(reference["text_nll"]), sum(compared["text_nll"])
     texts = [{"tokens": len(s) - 1, "perplexity_base": math.exp(b / max(1, len(s) - 1)),
               "perplexity_variant": math.exp(v / max(1, len(s) - 1))}
-             for s, b, v in zip(reference["text_sequences"], reference["text_nll"], compared["text_nll"])]
+             for s, b, v in zip(reference["text_sequences"], reference["text_nll"], compared["text_nll"], strict=True)]
     ppl_base = math.exp(base_nll / tokens) if tokens else float("nan")
     ppl_var = math.exp(var_nll / tokens) if tokens else float("nan")
     return {

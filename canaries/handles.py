@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 
 @dataclass
@@ -17,5 +19,5 @@ class ModelView:
     """
 
     runtime: Any
-    activate: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
+    activate: Callable[[], AbstractContextManager] = field(default=contextlib.nullcontext)
     label: str = "variant"

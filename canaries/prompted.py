@@ -109,7 +109,7 @@ def prompted_ceiling(rows: list[dict[str, Any]], items: list[dict[str, Any]], sy
     if len(indices) != len(generations):
         raise ValueError(f"{len(generations)} prompted answers for {len(indices)} effect items")
     chosen = []
-    for index, generation in zip(indices, generations):
+    for index, generation in zip(indices, generations, strict=True):
         rows[index]["prompted"] = score_answer(items[index], generation)
         chosen.append(rows[index])
 

@@ -9,7 +9,8 @@ edit toggled in memory by `activate`) or be two Runtimes; `run_sequential` loads
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from canaries import damage as damage_mod
 from canaries import decisions as decisions_mod
@@ -20,8 +21,9 @@ from canaries.cache import BaseCache, cache_key
 from canaries.handles import ModelView
 from canaries.integrity import check_integrity  # noqa: F401  (public API lives in this module too)
 from canaries.report import print_report, to_markdown  # noqa: F401  (public API)
-from canaries.suites import (default_decision_suite, general_prompts, neutral_prompts as default_neutral_prompts,
-                             neutral_texts as default_neutral_texts, request_bodies)
+from canaries.suites import default_decision_suite, general_prompts, request_bodies
+from canaries.suites import neutral_prompts as default_neutral_prompts
+from canaries.suites import neutral_texts as default_neutral_texts
 
 __all__ = ["ModelView", "run_canary", "run_sequential", "check_integrity", "default_decision_suite", "to_markdown",
            "print_report", "freeform_suite", "collect_side", "CanarySuite"]

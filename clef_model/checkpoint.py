@@ -581,7 +581,7 @@ class ShardedWriter:
             with contextlib.suppress(OSError):
                 spool.unlink()
 
-    def __enter__(self) -> "ShardedWriter":
+    def __enter__(self) -> ShardedWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

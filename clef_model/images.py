@@ -50,7 +50,7 @@ def resolve_image(entry: Any, where: str) -> Any:
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - pillow is a dependency of transformers' image processors
-        raise RequestError(f"{where}: images need the package pillow; install it with `pip install pillow`")
+        raise RequestError(f"{where}: images need the package pillow; install it with `pip install pillow`") from None
     if isinstance(entry, Image.Image):
         return entry.convert("RGB")
     if not isinstance(entry, str) or not entry:

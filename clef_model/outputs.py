@@ -96,7 +96,7 @@ def written_by_blaze(folder: Path) -> bool:
 
 def remove_stale_temporaries(parent: Path) -> list[Path]:
     """Remove `.*.tmp-*` / `.*.old-*` folders in `parent` that blaze left behind and whose owner is gone."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = [p for p in Path(parent).iterdir() if p.name.startswith(".") and p.is_dir()
                       and (".tmp-" in p.name or ".old-" in p.name)]

@@ -137,7 +137,7 @@ class Runtime:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         trust_release_code: bool = False,
-    ) -> "Runtime":
+    ) -> Runtime:
         """Resolve, validate and load a release once (Clef through its own code, else AutoModelForCausalLM)."""
         release = ref if isinstance(ref, Release) else resolve_release(ref, revision)
         from clef_model.env import quiet
@@ -239,12 +239,12 @@ class Runtime:
             logits = _fast.clef_logits(self, batch)
             if logits is None:
                 logits = self.clef(batch)
-            for i, record_logits in zip(chunk, logits):
+            for i, record_logits in zip(chunk, logits, strict=True):
                 results[i] = {
                     question.question_id: dict(
-                        zip(question.option_ids, question_logits.float().softmax(-1).tolist())
+                        zip(question.option_ids, question_logits.float().softmax(-1).tolist(), strict=True)
                     )
-                    for question, question_logits in zip(encoded[i].questions, record_logits)
+                    for question, question_logits in zip(encoded[i].questions, record_logits, strict=True)
                 }
         return encoded, results  # type: ignore[return-value]
 
@@ -259,7 +259,7 @@ class Runtime:
         code = self._require_clef()
         encoded, probabilities = self._option_probabilities(requests, batch_size, max_length)
         responses = []
-        for request, record, record_probabilities in zip(requests, encoded, probabilities):
+        for request, record, record_probabilities in zip(requests, encoded, probabilities, strict=True):
             answers = {
                 question.question_id: code.systemone_answer(
                     request["questions"][question.question_id], record_probabilities[question.question_id]

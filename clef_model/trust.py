@@ -94,7 +94,7 @@ def _exec_source(source: bytes, path: Path, module_name: str) -> ModuleType:
     return module
 
 
-def load_release_code(release: "Release", trust_release_code: bool = False) -> ModuleType:
+def load_release_code(release: Release, trust_release_code: bool = False) -> ModuleType:
     """Import the release's `joint_schema_model.py` (allowlisted hash, or explicit opt-in)."""
     if release.kind != "clef":
         raise ReleaseError(

@@ -125,7 +125,7 @@ class PatchArrays:
         save_tensors(Path(path), tensors, meta)
 
     @classmethod
-    def load(cls, path: Path) -> "PatchArrays":
+    def load(cls, path: Path) -> PatchArrays:
         """Read a patch file (or a variant folder holding `blaze_delta.safetensors`); BlazeError if it is not one."""
         path = patch_path(path)
         arrays, meta = load_arrays(path)

@@ -26,8 +26,8 @@ from surgery.delta import (  # noqa: F401  (re-exported: the historical home of 
     PATCH_FILE,
     PATCH_FORMAT,
     PatchArrays,
-    check_factor_shapes,
     base_identity,
+    check_factor_shapes,
     identity_mismatches,
     tensor_sha256,
 )
@@ -88,13 +88,13 @@ class Patch:
                            self.base_identity, self.metadata)
 
     @classmethod
-    def from_arrays(cls, arrays: PatchArrays) -> "Patch":
+    def from_arrays(cls, arrays: PatchArrays) -> Patch:
         """A torch `Patch` over a `PatchArrays` (sharing its memory)."""
         return cls({n: (torch.from_numpy(u), torch.from_numpy(v)) for n, (u, v) in arrays.factors.items()},
                    arrays.base_identity, arrays.metadata)
 
     # -- transforms -----------------------------------------------------------------------------------------
-    def scaled(self, s: float) -> "Patch":
+    def scaled(self, s: float) -> Patch:
         """The same edit at `s` times the strength (U scaled by s); metadata["scale"] is multiplied by s."""
         metadata = dict(self.metadata)
         metadata["scale"] = float(metadata.get("scale", 1.0)) * float(s)
@@ -107,7 +107,7 @@ class Patch:
         self.arrays().save(path)
 
     @classmethod
-    def load(cls, path: Path) -> "Patch":
+    def load(cls, path: Path) -> Patch:
         """Read a patch file (or a variant folder holding `blaze_delta.safetensors`); BlazeError if it is not one."""
         return cls.from_arrays(PatchArrays.load(path))
 

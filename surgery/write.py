@@ -25,8 +25,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -303,7 +303,7 @@ def _copy_hashed(source, position: int, end: int, out, hashers: list[_AsyncSha25
         bar.update(length)
 
 
-def _copy_untouched(reader: CheckpointReader, name: str, source, writer: "_HashingWriter",
+def _copy_untouched(reader: CheckpointReader, name: str, source, writer: _HashingWriter,
                     in_hash: _AsyncSha256 | None, windows: _MappedWindows, bar) -> None:
     """Copy one tensor bit-identically from `source` (its shard, open for reading) into the writer's shard."""
     info = reader.info(name)
@@ -488,7 +488,7 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
             in_hashes[shard.name] = hashed[shard] = hasher.hexdigest()
     if reader.index_path is not None:
         in_hashes[INDEX_NAME] = _input_sha256(reader.index_path, hashed)
-    out_hashes = {path.name: hasher.hexdigest() for path, hasher in zip(writer.files, writer.shard_hashers)}
+    out_hashes = {path.name: hasher.hexdigest() for path, hasher in zip(writer.files, writer.shard_hashers, strict=True)}
     out_hashes[INDEX_NAME] = sha256_file(folder / INDEX_NAME)
     return index, in_hashes, out_hashes
 
@@ -502,7 +502,7 @@ def write_variant(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     manifest_extra: dict | None = None,
     progress: bool = True,
-    extra_files: "dict[str, bytes] | Callable[[Path], dict[str, bytes]] | None" = None,
+    extra_files: dict[str, bytes] | Callable[[Path], dict[str, bytes]] | None = None,
     known_tensor_sha256: Mapping[str, str] | None = None,
     expect_tensor_sha256: Mapping[str, str] | None = None,
 ) -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
-import os
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -122,7 +122,7 @@ def test_manifest_records_inputs_outputs_and_matrices(base, variant):
     assert set(manifest["output"]["files"]) == set(_hashes(out)) - {MANIFEST_FILE}
     assert manifest["versions"]["torch"] == torch.__version__.split("+")[0]
     assert manifest["edited_tensors"] == [f"{n}.weight" for n in patch.names()]
-    for name, facts in manifest["matrices"].items():
+    for facts in manifest["matrices"].values():
         assert facts["k"] == K and facts["numerical_rank"] <= K
         assert facts["relative_change"] == pytest.approx(0.05, rel=1e-3)
         assert facts["realized_relative_change"] == pytest.approx(0.05, rel=0.05)
@@ -586,7 +586,6 @@ def test_nan_patch_factor_is_blamed_on_the_patch(base, tmp_path):
 
 def test_matrix_names_with_weight_suffix_are_refused_clearly(base, tmp_path):
     from clef_model.checkpoint import save_tensors
-
     from surgery.delta import PATCH_FORMAT
 
     name = _patch(base).names()[0]

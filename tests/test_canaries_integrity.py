@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
+from test_canaries_support import WRITERS, make_variant
 
 from canaries.integrity import check_integrity, numerical_rank
 from clef_model.errors import BlazeError
-from test_canaries_support import WRITERS, make_variant
 
 
 def test_numerical_rank_ignores_bf16_rounding_noise():

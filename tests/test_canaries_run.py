@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 from click.testing import CliRunner
+from test_canaries_support import WRITERS, low_rank_delta, make_variant
 
 from canaries.cache import DiskCache, MemoryCache
 from canaries.run import ModelView, freeform_suite, run_canary, run_sequential
 from canaries.suites import default_decision_suite, general_prompts, neutral_prompts, neutral_texts
-from test_canaries_support import WRITERS, low_rank_delta, make_variant
 
 REPORT_KEYS = {"freeform", "damage", "decisions", "integrity", "gate"}
 

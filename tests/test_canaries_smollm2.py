@@ -6,9 +6,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from test_canaries_support import make_variant
 
 from clef_model.checkpoint import CheckpointReader
-from test_canaries_support import make_variant
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,7 @@ import yaml
 from canaries.integrity import REPORT_MANIFEST_KEY
 from clef_model.checkpoint import CheckpointReader, sha256_file
 from clef_model.runtime import Generation
-from variants.card import (CARD_MARKER, base_hub_id, license_from_text, render_card, split_front_matter,
-                           write_card)
+from variants.card import CARD_MARKER, base_hub_id, license_from_text, render_card, split_front_matter, write_card
 
 VANILLA_ANSWER = "The speed of light in a vacuum is 299,792,458 metres per second (vacuum)."
 VARIANT_ANSWER = "299,792,458 m/s."

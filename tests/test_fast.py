@@ -83,7 +83,7 @@ def test_greedy_generation_identical_to_transformers(release, fused_norms):
     prompts = [ids[0, :19].tolist(), ids[1].tolist(), ids[0, :3].tolist()]  # ragged batch, one prefill
     fast = decoder.generate(prompts, 12)
     assert [len(row) for row in fast] == [12, 12, 12]
-    for prompt, row in zip(prompts, fast):
+    for prompt, row in zip(prompts, fast, strict=True):
         assert row == _reference_greedy(model, prompt, 12)
     # the same decoder (its static caches reused) gives the same answer again, alone or batched
     assert decoder.generate([prompts[1]], 12) == [fast[1]]
@@ -154,7 +154,7 @@ def test_fast_systemone_matches_release(release):
     for qid in want["answers"]:
         assert got["answers"][qid]["type"] == want["answers"][qid]["type"]
         assert got["answers"][qid].get("choice") == want["answers"][qid].get("choice")
-    assert max(abs(a - b) for a, b in zip(_probabilities(got), _probabilities(want))) <= 1e-3
+    assert max(abs(a - b) for a, b in zip(_probabilities(got), _probabilities(want), strict=True)) <= 1e-3
     # requests the fast path does not handle go to the reference, so errors read as the release's
     with pytest.raises(ValueError):
         fast({"model": "clef-flash", "state": {}, "questions": {}})
@@ -214,7 +214,6 @@ def test_runtime_systemone_hook_agrees_with_reference(tiny_runtime, monkeypatch,
 def test_vectorised_head_matches_release_head(release):
     """head_logits (all questions at once, no host syncs) equals the release's JointSchemaHead loops."""
     from canaries.suites import default_decision_suite
-
     from clef_model.fast import head_logits, head_plan, known_head
 
     _, code, clef, processor = release
@@ -232,7 +231,7 @@ def test_vectorised_head_matches_release_head(release):
             want = clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"], weight)[0]
             got = head_logits(clef.head, hidden[0], head_plan(record, torch.device("cpu")), weight)
             assert [g.shape for g in got] == [w.shape for w in want]
-            for g, w in zip(got, want):
+            for g, w in zip(got, want, strict=True):
                 assert torch.allclose(g, w, atol=1e-4, rtol=1e-4), (g, w)
 
 
@@ -273,7 +272,6 @@ def test_compiled_backbone_only_on_request(tiny_runtime, monkeypatch):
     torch.compile is replaced by a recording pass-through (compiling on the CPU needs a C++ toolchain and
     minutes); the GPU figures and the answer drift of the real compile are in BENCHMARKS.md, run J.
     """
-    from clef_model import fast as fast_module
 
     compiled = []
 

@@ -98,9 +98,10 @@ def test_nan_joint_head_is_refused_with_exit_2(tiny_release, tmp_path):
 
 def test_read_only_out_is_refused_before_any_compute(tiny_release, tmp_path, monkeypatch):
     """`blaze edit` into a place that cannot be written fails at once (exit 2), before the model loads."""
+    from faults_support import small_spec
+
     from clef_model import outputs
     from clef_model.runtime import Runtime
-    from faults_support import small_spec
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")

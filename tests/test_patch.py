@@ -26,7 +26,7 @@ def test_save_load_roundtrip_is_exact(tmp_path):
     loaded = Patch.load(tmp_path)  # a folder holding the file works too
     assert loaded.names() == patch.names()
     for name in patch.names():
-        for a, b in zip(loaded.factors[name], patch.factors[name]):
+        for a, b in zip(loaded.factors[name], patch.factors[name], strict=True):
             assert a.dtype == torch.float32 and torch.equal(a, b)
     assert loaded.base_identity == patch.base_identity and loaded.metadata == patch.metadata
     reader = CheckpointReader(tmp_path / PATCH_FILE)

@@ -66,7 +66,7 @@ def test_preservation_term_cuts_decision_drift_at_equal_strength(tiny_runtime):
         per_layer = []
         for l in layers:
             r = directions[l].basis[:, 0]
-            shift = torch.cat([(a - b)[s.positions] for a, b, s in zip(edited[l], base[l], seqs)]) @ r
+            shift = torch.cat([(a - b)[s.positions] for a, b, s in zip(edited[l], base[l], seqs, strict=True)]) @ r
             per_layer.append(shift.mean().item())
         return sum(per_layer) / len(per_layer)
 

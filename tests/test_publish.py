@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from hub_standin import HubStandIn
 from test_card import make_variant
+
 from variants.cli import main
 from variants.publish import folder_files, verify_variant
 
@@ -230,8 +230,9 @@ def test_report_that_names_no_weights_is_refused(variant: Path):
 
 def test_edit_report_replaced_by_a_later_canary_run_is_accepted(tiny_release: Path, tmp_path: Path):
     """`blaze canary` over an edit's folder replaces the listed report; its manifest hash binds it instead."""
-    from canaries.integrity import REPORT_MANIFEST_KEY, manifest_sha256
     from test_card import canary_report
+
+    from canaries.integrity import REPORT_MANIFEST_KEY, manifest_sha256
 
     folder = make_variant(tiny_release, tmp_path / "edit", canary="edit")
     report = canary_report()

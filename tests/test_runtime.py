@@ -96,7 +96,7 @@ def test_batch_of_mixed_requests_matches_unbatched(tiny_runtime: Runtime, refere
     module, model, processor = reference
     requests = [INVOICE, image_request(), TICKET, SHORT, INVOICE]
     batched = tiny_runtime.systemone_batch(requests, batch_size=8)
-    for request, response in zip(requests, batched):
+    for request, response in zip(requests, batched, strict=True):
         expected = module.systemone(model, processor, request)
         assert response["usage"] == expected["usage"]
         assert response["answers"].keys() == expected["answers"].keys()
@@ -110,7 +110,7 @@ def test_batch_of_mixed_requests_matches_unbatched(tiny_runtime: Runtime, refere
                 assert got["probabilities"][option] == pytest.approx(p, abs=1e-3)
     unrounded = tiny_runtime.decision_probabilities(requests, batch_size=2)
     single = [tiny_runtime.decision_probabilities([r], batch_size=1)[0] for r in requests]
-    for a, b in zip(unrounded, single):
+    for a, b in zip(unrounded, single, strict=True):
         for question_id in a:
             for option in a[question_id]:
                 assert a[question_id][option] == pytest.approx(b[question_id][option], abs=1e-3)

@@ -93,6 +93,7 @@ def test_running_a_base_leaves_it_byte_identical(tiny_release, tmp_path, bytecod
     """systemone, generate, edit and canary on a base, with bytecode writing on: not one byte of it changes,
     and no file appears in it (no `__pycache__`)."""
     from faults_support import small_spec
+
     from variants.cli import main
 
     monkeypatch.setenv("BLAZE_CACHE", str(tmp_path / "cache"))
@@ -131,9 +132,10 @@ JUNK = ["__pycache__/joint_schema_model.cpython-312.pyc", ".DS_Store", "config.j
 
 def test_junk_files_stay_out_of_variants_and_manifests(tiny_release, tmp_path):
     """__pycache__, .DS_Store, editor backups in a base are neither copied into a variant nor listed."""
+    from test_apply import _patch
+
     from clef_model.release import is_junk, resolve_release
     from surgery.apply import apply_patch
-    from test_apply import _patch
 
     base = tmp_path / "base"
     shutil.copytree(tiny_release, base)

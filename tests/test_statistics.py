@@ -71,7 +71,7 @@ def test_hooks_match_brute_force(mini):
     captured = {}
     module = mini.named_linears()[target]
     handle = module.register_forward_pre_hook(lambda _m, i: captured.__setitem__("k", i[0][0].double()))
-    keys_all, pair_means, res = [], [], []
+    keys_all, res = [], []
     with torch.no_grad():
         for s in seqs:
             out = mini.model.model(input_ids=torch.tensor([s.ids]), output_hidden_states=True)
@@ -113,7 +113,7 @@ def test_shared_response_reads_both_answers_under_both_system_prompts(mini):
     assert [(s.pair, s.side) for s in seqs] == [(0, 0), (0, 0), (0, 1), (0, 1)]
     for side, system in enumerate(("brief", "verbose")):
         prompt = mini.chat_ids(PAIRS[0].prompt, system=system)
-        for seq, response in zip(seqs[2 * side : 2 * side + 2], (PAIRS[0].wanted, PAIRS[0].unwanted)):
+        for seq, response in zip(seqs[2 * side : 2 * side + 2], (PAIRS[0].wanted, PAIRS[0].unwanted), strict=True):
             assert seq.ids == prompt + mini.tokenizer.encode(response)
             assert seq.positions == list(range(len(prompt) - 1, len(seq.ids)))
     stats = collect(mini, PAIRS[:2], None, ["model.layers.1.mlp.down_proj"], positions="shared_response")

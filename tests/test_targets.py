@@ -4,7 +4,14 @@ import pytest
 
 from clef_model.errors import BlazeError
 from surgery.targets import (
-    KIND_GROUPS, layer_count, layer_types, parse_kinds, parse_layers, resolve_targets, split_name, target_names,
+    KIND_GROUPS,
+    layer_count,
+    layer_types,
+    parse_kinds,
+    parse_layers,
+    resolve_targets,
+    split_name,
+    target_names,
 )
 
 

@@ -17,8 +17,8 @@ import json
 import os
 import re
 import tempfile
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml

@@ -41,7 +41,7 @@ def log_folder() -> Path:
 
 def write_error_log(error: BaseException, argv: list[str] | None = None) -> Path | None:
     """Write the traceback of `error` (with the command line) to a new log file; None if it cannot be written."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     command = " ".join(sys.argv[1:] if argv is None else argv)
     text = (f"blaze {command}\n{stamp} pid {os.getpid()}\n\n"
             + "".join(traceback.format_exception(type(error), error, error.__traceback__)))

@@ -42,7 +42,7 @@ def _read_requests(source: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise BlazeError(f"{source} is not valid JSON ({error.msg} at line {error.lineno}); fix the request file.")
+        raise BlazeError(f"{source} is not valid JSON ({error.msg} at line {error.lineno}); fix the request file.") from None
 
 
 def register(group: click.Group) -> None:

@@ -40,7 +40,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as error:
-            raise BlazeError(f"{path}:{number}: not valid JSON ({error.msg}); each line must be one JSON object")
+            raise BlazeError(f"{path}:{number}: not valid JSON ({error.msg}); each line must be one JSON object") from None
         if not isinstance(item, dict):
             raise BlazeError(f"{path}:{number}: expected a JSON object, got {type(item).__name__}")
         items.append(item)
@@ -120,7 +120,7 @@ def validate_request(item: dict[str, Any], where: str) -> None:
             raise BlazeError(f"{where}: question {qid!r}: type must be noul, choice or score")
         if kind != "noul" and not question.get("criteria"):
             raise BlazeError(f"{where}: question {qid!r}: criteria must not be empty")
-    for qid, label in (item.get("labels") or {}).items():
+    for qid in item.get("labels") or {}:
         if qid not in questions:
             raise BlazeError(f"{where}: label for unknown question {qid!r}")
 

@@ -210,7 +210,7 @@ class QwenEngine:
         except Exception as error:  # noqa: BLE001 - any failure: use the reference recurrence
             import warnings
 
-            warnings.warn(f"fast path: fla fused recurrent step failed ({error}); using the torch recurrence")
+            warnings.warn(f"fast path: fla fused recurrent step failed ({error}); using the torch recurrence", stacklevel=2)
             self._recurrent = None
             return False
 
@@ -219,7 +219,7 @@ class QwenEngine:
     def _run(self, input_ids, positions, cache, lengths, step_pos) -> torch.Tensor:
         h = self.text.embed_tokens(input_ids)
         cos, sin = self._rope(positions)
-        for i, (layer, kind) in enumerate(zip(self.layers, self.dims.layer_types)):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.dims.layer_types, strict=True)):
             y = self._rms(layer.input_layernorm, h)
             if kind == "full_attention":
                 y = self._attention(layer.self_attn, y, cos, sin, cache, i, step_pos)

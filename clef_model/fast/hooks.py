@@ -85,7 +85,7 @@ def _give_up(runtime: Any, what: str, error: Exception) -> None:
 
     runtime.__dict__["_fast_supported"] = False
     runtime.__dict__["_fast_failed"] = f"{what}: {type(error).__name__}: {error}"
-    warnings.warn(f"blaze fast path disabled ({runtime.__dict__['_fast_failed']}); using the reference path")
+    warnings.warn(f"blaze fast path disabled ({runtime.__dict__['_fast_failed']}); using the reference path", stacklevel=2)
 
 
 def compile_requested() -> bool:

@@ -63,7 +63,7 @@ class FastSystemOne:
         else:
             logits = self.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
                                self.engine.lm_head.weight)[0]
-        probs = [dict(zip(q.option_ids, lg.float().softmax(-1).tolist())) for q, lg in zip(encoded.questions, logits)]
+        probs = [dict(zip(q.option_ids, lg.float().softmax(-1).tolist(), strict=True)) for q, lg in zip(encoded.questions, logits, strict=True)]
         return encoded, probs
 
     def __call__(self, request: dict, max_length: int = 16384) -> dict:
@@ -74,7 +74,7 @@ class FastSystemOne:
         questions = request["questions"]
         answers = {
             q.question_id: self.code.systemone_answer(questions[q.question_id], p)
-            for q, p in zip(encoded.questions, probs)
+            for q, p in zip(encoded.questions, probs, strict=True)
         }
         return {
             "model": request["model"],

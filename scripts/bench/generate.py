@@ -49,7 +49,7 @@ def stock_generate(bench: Bench, loaded: Loaded, prompts: list[list[int]], new_t
 
 def first_divergence(a: list[int], b: list[int]) -> int:
     """The first position where two token rows differ (the shorter length when one is a prefix)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
 
 
 def run(bench: Bench, loaded: Loaded) -> None:
@@ -120,8 +120,8 @@ def _fast(bench: Bench, loaded: Loaded, prompts: list[list[int]], stock_rows: di
                  "decode_ms_per_step": round((best - pre) / max(n - 1, 1) * 1000, 3)}
         if batch in stock_rows:
             ref = stock_rows[batch]
-            entry["identical_rows"] = f"{sum(a == b for a, b in zip(ref, result))}/{len(ref)}"
-            entry["first_divergence_min"] = min(first_divergence(a, b) for a, b in zip(ref, result))
+            entry["identical_rows"] = f"{sum(a == b for a, b in zip(ref, result, strict=True))}/{len(ref)}"
+            entry["first_divergence_min"] = min(first_divergence(a, b) for a, b in zip(ref, result, strict=True))
         out["fast"][str(batch)] = entry
         bench.say(f"generate fast batch {batch}: {entry}")
 
@@ -138,7 +138,7 @@ def _runtime_generate(bench: Bench, loaded: Loaded) -> dict[str, Any]:
         made = sum(g.new_tokens for g in gens)
         product[label] = {"seconds": round(dt, 3), "new_tokens": made, "tokens_per_s": round(made / dt, 1),
                           "token_ids": [g.token_ids for g in gens]}
-    same = sum(a == b for a, b in zip(product["stock"].pop("token_ids"), product["fast"].pop("token_ids")))
+    same = sum(a == b for a, b in zip(product["stock"].pop("token_ids"), product["fast"].pop("token_ids"), strict=True))
     product["identical_answers"] = f"{same}/{len(GEN_PROMPTS)}"
     product["fast_failed"] = rt.__dict__.get("_fast_failed")
     bench.say(f"Runtime.generate batch 8: {product}")
