@@ -8,6 +8,7 @@ a CUDA graph (:mod:`clef_model.fast.graphs`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,8 @@ class QwenEngine:
         self.dims = dims_of(self.text)
         self.layers = list(self.text.layers[: len(self.dims.layer_types)])
         weight = self.text.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device: torch.device = weight.device
+        self.dtype: torch.dtype = weight.dtype
         chunk = fla_kernel("chunk") if (use_fla is not False and self.device.type == "cuda") else None
         if use_fla and chunk is None:
             raise BlazeError("fast path: use_fla=True but flash-linear-attention is not importable on CUDA")
@@ -57,13 +59,13 @@ class QwenEngine:
         """Whether the DeltaNet prefill runs flash-linear-attention's kernel."""
         return self._chunk is not None
 
-    def _rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _rms(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
         """Qwen3.5's zero-centred RMSNorm (x · rsqrt(mean x² + eps) · (1 + w), in float32)."""
         if not self.fused_norms:
             return norm(x)
         return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + norm.weight.float(), rms_eps(norm)).to(x.dtype)
 
-    def _gated_norm(self, norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def _gated_norm(self, norm: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Gated DeltaNet's output norm: w · RMSNorm(x) · silu(gate)."""
         if not self.fused_norms:
             return norm(x, gate)
@@ -95,7 +97,8 @@ class QwenEngine:
         sin = (emb.sin() * self._rope_scale).to(self.dtype)
         return cos[:, None], sin[:, None]  # [B, 1, T, rot]
 
-    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims
         b, t, _ = x.shape
         q, gate = torch.chunk(attn.q_proj(x).view(b, t, d.heads, 2 * d.head_dim), 2, dim=-1)
@@ -119,6 +122,7 @@ class QwenEngine:
             out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
                                                  is_causal=True, scale=attn.scaling)
         else:  # one new token per row at step_pos[row]
+            assert cache is not None, "a decode step always runs on a cache"
             rows = torch.arange(b, device=x.device)
             cache.keys[layer][rows, :, step_pos] = k[:, :, 0]
             cache.values[layer][rows, :, step_pos] = v[:, :, 0]
@@ -158,6 +162,7 @@ class QwenEngine:
         weight = la.conv1d.weight.squeeze(1)  # [C, K]
         kernel = weight.shape[-1]
         if step:
+            assert cache is not None, "a decode step always runs on a cache"
             conv_state = cache.conv[layer][:b]
             window = torch.cat((conv_state, mixed), dim=-1)  # [B, C, K]
             conv_state.copy_(window[:, :, 1:])
@@ -203,9 +208,12 @@ class QwenEngine:
         The first decode step runs eagerly (warm-up before graph capture), so a kernel that does not
         work on this machine is found there, never inside a capture.
         """
+        recurrent = self._recurrent
+        if recurrent is None:
+            return False
         try:
-            self._recurrent_out = self._recurrent(q, k, v, g=g, beta=beta, initial_state=state,
-                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+            self._recurrent_out = recurrent(q, k, v, g=g, beta=beta, initial_state=state,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
             return True
         except Exception as error:  # noqa: BLE001 - any failure: use the reference recurrence
             import warnings

@@ -39,7 +39,7 @@ class GraphedBackbone:
         # padding without graphs only serves tests: it feeds the eager path what a graph would see
         self.pad_to_bucket = self.use_graphs if pad_to_bucket is None else pad_to_bucket
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # torch.cuda.graph_pool_handle(): an opaque handle torch does not export a type for
 
     def bucket_for(self, length: int) -> int | None:
         """The smallest bucket holding ``length`` tokens, or None when it is longer than all buckets."""

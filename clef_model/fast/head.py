@@ -71,7 +71,7 @@ def head_plan(record: Any, device: torch.device) -> HeadPlan:
     )
 
 
-def head_logits(head: torch.nn.Module, hidden: torch.Tensor, plan: HeadPlan,
+def head_logits(head: Any, hidden: torch.Tensor, plan: HeadPlan,
                 output_embedding: torch.Tensor) -> list[torch.Tensor]:
     """The release ``JointSchemaHead``'s per-question option logits for one record, vectorised.
 
@@ -136,4 +136,6 @@ def known_head(release_code: ModuleType | None) -> bool:
     from clef_model.trust import is_known_release_code
 
     path = getattr(release_code, "__file__", None)
-    return bool(path) and is_known_release_code(Path(path))
+    if not path:
+        return False
+    return is_known_release_code(Path(path))

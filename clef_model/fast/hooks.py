@@ -108,8 +108,10 @@ def compiled_engine(model: torch.nn.Module) -> QwenEngine:
     import torch._inductor.config as inductor_config
 
     engine = QwenEngine(model)
-    options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
-    engine._run = torch.compile(engine._run, dynamic=False, options=options)
+    options: dict[str, Any] = (
+        {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {})
+    # the compiled forward replaces the bound method on this one engine, on purpose
+    engine._run = torch.compile(engine._run, dynamic=False, options=options)  # type: ignore[method-assign]
     return engine
 
 

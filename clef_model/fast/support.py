@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,9 +17,15 @@ from clef_model.backbone import text_decoder
 from clef_model.errors import BlazeError
 
 
-def text_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Return ``(decoder stack, lm_head)`` of a Qwen3.5 CausalLM or ConditionalGeneration model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+def text_parts(model: torch.nn.Module) -> tuple[Any, Any]:
+    """Return ``(decoder stack, lm_head)`` of a Qwen3.5 CausalLM or ConditionalGeneration model.
+
+    Typed ``Any``: transformers builds these modules' attributes (``config``, ``layers``, ``embed_tokens``,
+    ``weight``) at run time, which ``torch.nn.Module.__getattr__`` can only type as ``Tensor | Module``.
+    """
+    base: Any = model
+    if hasattr(base, "get_base_model"):  # a peft wrapper
+        base = base.get_base_model()
     text = text_decoder(base)
     if not hasattr(text, "layers") or not hasattr(text, "embed_tokens"):
         raise BlazeError(
@@ -34,7 +41,7 @@ def is_supported(model: torch.nn.Module) -> bool:
     except BlazeError:
         return False
     types = getattr(text.config, "layer_types", None)
-    return bool(types) and set(types) <= {"linear_attention", "full_attention"}
+    return bool(types) and set(types or ()) <= {"linear_attention", "full_attention"}
 
 
 def fla_kernel(name: str) -> Callable | None:
@@ -60,7 +67,8 @@ class Dims:
     layer_types: tuple[str, ...]
 
 
-def dims_of(text: torch.nn.Module) -> Dims:
+def dims_of(text: Any) -> Dims:
+    """The shapes of a Qwen3.5 text decoder stack (``text``: the first item of :func:`text_parts`), from its config."""
     c = text.config
     return Dims(
         hidden=c.hidden_size,
