@@ -5,6 +5,7 @@ Both read only the report dict built by `canaries.run`, so a report loaded back 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -100,6 +101,11 @@ def _effect_value(value: float, unit: str) -> str:
     return _pct(value) if unit == "relative" else f"{value:+.0f} items"
 
 
+def _fraction_row(label: str, counts: dict[str, Any], total: Any) -> tuple[str, str, str, str]:
+    """`label` and `counts[side]/total` for the base, the variant and the prompted base."""
+    return label, f"{counts['base']}/{total}", f"{counts['variant']}/{total}", f"{counts['prompted']}/{total}"
+
+
 def prompted_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]] | None:
     """(figure, base, variant, prompted) rows of the prompted ceiling; None when it was not run."""
     ceiling = report["freeform"].get("prompted")
@@ -108,13 +114,11 @@ def prompted_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]] | N
     means, quality, markdown = ceiling["mean_tokens"], ceiling["quality"], ceiling["markdown"]
     rows = [("mean answer tokens", _fmt(means["base"], 1), _fmt(means["variant"], 1), _fmt(means["prompted"], 1))]
     if quality["items"]:
-        rows.append(("keyword hits", *(f"{quality[f'{side}_hits']}/{quality['items']}"
-                                       for side in ("base", "variant", "prompted"))))
-    rows.append(("answers with markdown", *(f"{markdown[side]}/{markdown['items']}"
-                                            for side in ("base", "variant", "prompted"))))
+        hits = {side: quality[f"{side}_hits"] for side in ("base", "variant", "prompted")}
+        rows.append(_fraction_row("keyword hits", hits, quality["items"]))
+    rows.append(_fraction_row("answers with markdown", markdown, markdown["items"]))
     for measure, entry in ceiling["stance"].items():
-        rows.append((STANCE_LABELS[measure], *(f"{entry[side]}/{entry['items']}"
-                                               for side in ("base", "variant", "prompted"))))
+        rows.append(_fraction_row(STANCE_LABELS[measure], entry, entry["items"]))
     return rows
 
 
@@ -186,7 +190,7 @@ def print_report(report: dict[str, Any], echo=click.echo) -> None:
     echo(f"gate: {'PASSED' if gate['passed'] else 'FAILED (' + ', '.join(gate['failed']) + ')'}")
 
 
-def _echo_table(rows: list[tuple[str, ...]], echo) -> None:
+def _echo_table(rows: Sequence[Sequence[str]], echo: Callable[[str], Any]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for index, row in enumerate(rows):
         echo("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())

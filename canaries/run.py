@@ -249,18 +249,18 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
 
     import torch
 
-    suite = None
-    settings = None
+    suite: CanarySuite | None = None
+    settings: dict[str, Any] | None = None
     base_side = None
     prompted = None
-    caching = base_cache is not None and base_key is not None
-    if caching and base_is_clef is not None:
+    cache, key = (base_cache, base_key) if base_cache is not None and base_key is not None else (None, None)
+    if cache is not None and key is not None and base_is_clef is not None:
         suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, base_is_clef)
         settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
-        cached = base_cache.get(cache_key(base_key, dict(suite), settings))
+        cached = cache.get(cache_key(key, dict(suite), settings))
         base_side = dict(cached, from_cache=True) if cached is not None else None
         if prompted_system:
-            cached = base_cache.get(_prompted_key(base_key, suite, settings, prompted_system))
+            cached = cache.get(_prompted_key(key, suite, settings, prompted_system))
             prompted = dict(cached, from_cache=True) if cached is not None else None
     if base_side is None or (prompted_system and prompted is None):
         runtime = load_base()
@@ -270,16 +270,18 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
                            bool(getattr(runtime, "is_clef", False)))
             settings = {**_settings(max_new_tokens, batch_size, damage_tokens, None), "device": "", "dtype": ""}
             base_side = collect_side(view, suite, settings, progress=progress)
-            if caching:
-                base_cache.put(cache_key(base_key, dict(suite), settings), base_side)
+            if cache is not None and key is not None:
+                cache.put(cache_key(key, dict(suite), settings), base_side)
+        assert suite is not None and settings is not None  # set by the cache lookup or by the base run just above
         if prompted_system and prompted is None:
             prompted = collect_prompted(view, suite, settings, prompted_system, progress=progress)
-            if caching:
-                base_cache.put(_prompted_key(base_key, suite, settings, prompted_system), prompted)
+            if cache is not None and key is not None:
+                cache.put(_prompted_key(key, suite, settings, prompted_system), prompted)
         del runtime, view
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    assert suite is not None and settings is not None  # a cache hit for the base side set both
     variant_runtime = load_variant()
     if suite["decisions"] is not None and not getattr(variant_runtime, "is_clef", False):
         suite = CanarySuite(suite, decisions=None)

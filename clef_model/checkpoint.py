@@ -28,6 +28,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from clef_model.errors import BlazeError, ReleaseError
 from clef_model.files import INDEX_FILE, SINGLE_FILE
@@ -341,7 +342,7 @@ def tensor_to_bytes(tensor) -> memoryview:
         import numpy as np
 
         array = np.ascontiguousarray(tensor)
-        return memoryview(array.reshape(-1).view(np.uint8)).cast("B") if array.size else memoryview(b"")
+        return array.reshape(-1).view(np.uint8).data.cast("B") if array.size else memoryview(b"")
     import torch
 
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -454,7 +455,7 @@ class ShardedWriter:
             raise ValueError("the layout names a tensor twice")
         self._weight_map: dict[str, int] = {}  # name -> shard number (0-based)
         self._shards: list[list[tuple[str, str, tuple[int, ...], int]]] = []
-        self._handle = None
+        self._handle: Any = None  # the open shard: a binary file, or a wrapper that hashes it (surgery.write)
         self._shard_size = 0
         self._spool_paths: list[Path] = []
         self._closed = False

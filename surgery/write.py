@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
@@ -259,6 +259,7 @@ def _edited_blocks(reader: CheckpointReader, name: str, u: np.ndarray, v: np.nda
         while pending:
             yield finished()
         digest = tensor_hash.hexdigest() if tensor_hash is not None else known_sha256
+        assert digest is not None  # tensor_hash exists exactly when known_sha256 is None
     finally:
         for future, _ in pending:
             future.cancel()
@@ -411,6 +412,7 @@ def _stream_kept_layout(reader: CheckpointReader, shards: list[Path], patch: Pat
             elif in_hash is not None:
                 in_hashes[shard.name] = hashed[shard] = in_hash.hexdigest()
             else:
+                assert known is not None  # touched with no input hasher: its hash was known
                 in_hashes[shard.name] = known
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -422,6 +424,7 @@ def _stream_kept_layout(reader: CheckpointReader, shards: list[Path], patch: Pat
              "weight_map": {name: reader.info(name).file.name for name in sorted(reader.names())}}
     index_path = folder / INDEX_NAME
     index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    assert reader.index_path is not None  # _kept_layout keeps only indexed bases
     in_hashes[INDEX_NAME] = _input_sha256(reader.index_path, hashed)
     out_hashes[INDEX_NAME] = sha256_file(index_path)
     return index, in_hashes, out_hashes
@@ -441,7 +444,7 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
     in_hashers: dict[Path, _AsyncSha256 | None] = {}
     writer = _HashingWriter(folder, max_shard_bytes=max_shard_bytes, layout=layout)
     windows = _MappedWindows(_WINDOWS_IN_FLIGHT)
-    sources: dict[Path, object] = {}  # one open handle per input shard: the kernel's readahead stays sequential
+    sources: dict[Path, BinaryIO] = {}  # one open handle per input shard: the kernel's readahead stays sequential
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blaze-edit")  # edited blocks' arithmetic
     try:
         with writer:
@@ -453,10 +456,10 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
                         in_hashes[shard.name] = known
                         in_hashers[shard] = None
                     elif _fully_covered(reader, shard):
-                        hasher = _AsyncSha256()
-                        with open(shard, "rb") as handle:
-                            hasher.update(handle.read(reader.info(name).offset))  # the header
-                        in_hashers[shard] = hasher
+                        header_hasher = _AsyncSha256()
+                        with open(shard, "rb") as header_file:
+                            header_hasher.update(header_file.read(reader.info(name).offset))  # the header
+                        in_hashers[shard] = header_hasher
                     else:
                         in_hashes[shard.name] = hashed[shard] = sha256_file(shard)
                         in_hashers[shard] = None
@@ -488,7 +491,8 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
             in_hashes[shard.name] = hashed[shard] = hasher.hexdigest()
     if reader.index_path is not None:
         in_hashes[INDEX_NAME] = _input_sha256(reader.index_path, hashed)
-    out_hashes = {path.name: hasher.hexdigest() for path, hasher in zip(writer.files, writer.shard_hashers, strict=True)}
+    shard_files = writer.files[:-1]  # the writer's files end with the index, hashed just below
+    out_hashes = {path.name: hasher.hexdigest() for path, hasher in zip(shard_files, writer.shard_hashers, strict=True)}
     out_hashes[INDEX_NAME] = sha256_file(folder / INDEX_NAME)
     return index, in_hashes, out_hashes
 
