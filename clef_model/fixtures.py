@@ -25,7 +25,7 @@ import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -228,7 +228,8 @@ def _write_tokenizer_and_processor(folder: Path) -> dict[str, int]:
     )
     processor.save_pretrained(str(folder))
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    return {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    # one token in, one id out (the list overload is for a list of tokens)
+    return {token: cast(int, tokenizer.convert_tokens_to_ids(token)) for token in SPECIAL_TOKENS}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def _write_tokenizer_and_processor(folder: Path) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------
 def _configs(preset: str, num_layers: int | None, ids: dict[str, int]) -> tuple[dict, dict]:
     """config.json and joint_head_config.json for a preset."""
-    text = dict(_TEXT_9B if preset == "9b" else _TEXT_TINY)
+    text: dict[str, Any] = dict(_TEXT_9B if preset == "9b" else _TEXT_TINY)
     vision = dict(_VISION_9B if preset == "9b" else _VISION_TINY)
     head = dict(_HEAD_9B if preset == "9b" else _HEAD_TINY)
     layers = text["num_hidden_layers"] if num_layers is None else num_layers
@@ -379,7 +380,7 @@ def _random_chunks(
             values = torch.randn(count, generator=generator).mul_(b).add_(a)
         if zero_rows is not None:
             values.view(-1, row_elements)[zero_rows[start : start + rows_per_chunk]] = 0
-        yield memoryview(values.to(dtype).view(torch.uint8).numpy()).cast("B")
+        yield values.to(dtype).view(torch.uint8).numpy().data.cast("B")
 
 
 def _stored_dtype(name: str) -> torch.dtype:

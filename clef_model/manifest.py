@@ -278,7 +278,7 @@ class Manifest(_Section):
              "output": ("output", OutputInfo.from_dict), "edited_tensors": ("edited_tensors", _strings)}
 
     @classmethod
-    def from_dict(cls, raw: Any, where: str = MANIFEST_FILE) -> Manifest:  # type: ignore[override]
+    def from_dict(cls, raw: Any, where: str = MANIFEST_FILE) -> Manifest:
         """A manifest from parsed JSON; ManifestError for another version or a field of the wrong type."""
         if not isinstance(raw, Mapping) or VERSION_KEY not in raw:
             raise ManifestError(f"{where}: not a blaze manifest (no {VERSION_KEY!r} version field); pass a folder "

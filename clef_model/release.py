@@ -223,8 +223,8 @@ def _download(repo_id: str, revision: str | None) -> tuple[Path, str | None]:
         raise ReleaseError(
             f"cannot download {repo_id} ({error}); check the network, or pass a local folder holding the release."
         ) from None
-    folder = Path(folder)
-    return folder, folder.name  # snapshot folders are named by the resolved commit
+    snapshot = Path(folder)
+    return snapshot, snapshot.name  # snapshot folders are named by the resolved commit
 
 
 def resolve_release(ref: str | Path, revision: str | None = None) -> Release:

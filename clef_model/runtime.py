@@ -115,7 +115,9 @@ class Runtime:
         release_code: ModuleType | None = None,
     ):
         self.release = release
-        self.model = model
+        # a transformers model (or a peft wrapper of one): its config and methods are built at run time,
+        # which torch.nn.Module's attribute typing (Tensor | Module) cannot express
+        self.model: Any = model
         self.tokenizer = tokenizer
         self.processor = processor
         self.device = device
@@ -161,7 +163,7 @@ class Runtime:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(release.path, dtype=dtype)
+            model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(release.path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(release.path)
         except Exception as error:  # noqa: BLE001 - damaged release files fail in many library types
             raise ReleaseError(_load_failure(release, error)) from error
@@ -185,6 +187,7 @@ class Runtime:
                 f"{self.release.ref} is a plain causal LM ({self.release.architecture}) without a joint head; "
                 "typed decisions (systemone) need a Clef release such as Cloudflare/clef-flash."
             )
+        assert self.release_code is not None  # a Clef release is loaded with its release code
         return self.release_code
 
     def encode_requests(self, requests: list[dict], max_length: int = 16384) -> list[Any]:
@@ -238,6 +241,7 @@ class Runtime:
             # [fast path, issue 6: clef_model/fast/hooks.py] batch-1 text requests through a CUDA-graphed backbone
             logits = _fast.clef_logits(self, batch)
             if logits is None:
+                assert self.clef is not None  # _require_clef passed
                 logits = self.clef(batch)
             for i, record_logits in zip(chunk, logits, strict=True):
                 results[i] = {
@@ -394,7 +398,7 @@ class Runtime:
 
     def decoder_layers(self) -> list[torch.nn.Module]:
         """The backbone's decoder layers, in order."""
-        return list(self.text_model().layers)
+        return list(text_decoder(self.model).layers)
 
     def lm_head(self) -> torch.nn.Linear:
         """The output projection (its rows are also what the joint head reads for option tokens)."""
@@ -493,7 +497,7 @@ def _disk_name(module_name: str, on_disk: set[str]) -> str | None:
     return None
 
 
-def _enable_cache(model: torch.nn.Module) -> None:
+def _enable_cache(model: Any) -> None:
     """Switch the KV cache back on for generation (the release loader turns it off for the head)."""
     model.config.use_cache = True
     text_config = getattr(model.config, "text_config", None)

@@ -82,6 +82,7 @@ def _exec_source(source: bytes, path: Path, module_name: str) -> ModuleType:
         raise ReleaseError(f"release code {path} is not valid Python ({error}); re-download the release.") from None
     # a spec without a loader: importlib's machinery never touches the release folder for this module
     spec = importlib.util.spec_from_loader(module_name, loader=None, origin=str(path))
+    assert spec is not None  # None only when a loader's is_package raises ImportError; this spec has no loader
     module = importlib.util.module_from_spec(spec)
     module.__file__ = str(path)
     # dataclasses resolve annotations through sys.modules, so the module must be registered while it runs.

@@ -28,6 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -96,8 +97,9 @@ class PatchArrays:
     def delta_singular_values(self, name: str) -> np.ndarray:
         """Singular values of U Vᵀ (length min(k, d)), float64, from thin QR factors — cheap for big matrices."""
         u, v = (f.astype(np.float64) for f in self.factors[name])
-        ru = np.linalg.qr(u, mode="r")
-        rv = np.linalg.qr(v, mode="r")
+        # numpy's stubs type mode="r" as the (Q, R) result; it returns R alone
+        ru = cast(np.ndarray, np.linalg.qr(u, mode="r"))
+        rv = cast(np.ndarray, np.linalg.qr(v, mode="r"))
         return np.linalg.svd(ru @ rv.T, compute_uv=False)
 
     def numerical_rank(self, name: str) -> int:
