@@ -53,7 +53,7 @@ from clef_model.errors import BlazeError
 EVAL_FILE = "decision_eval.jsonl"
 IMAGES_DIR = "decision_eval_images"
 TRAIN_INFO_FILE = "blaze_decision_training.json"
-BUILD_VERSION = 1  # part of the cache key: bump it when the training or export code changes
+BUILD_VERSION = 2  # part of the cache key: bump it when the training or export code changes
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ class TrainSettings:
 
     train_records: int = 400
     eval_records: int = 240
-    head_steps: int = 500  # stage 1: the head alone, on cached hidden states
+    head_steps: int = 600  # stage 2: the head alone, on the merged backbone's cached hidden states
     head_batch_size: int = 16
     head_stage_lr: float = 6e-3
-    lora_steps: int = 8  # stage 2: LoRA + head
+    lora_steps: int = 4  # stage 1: LoRA + head
     batch_size: int = 8
     lr: float = 1e-3  # LoRA (clef-finetune's default 1e-4 is for a 9B model and 1,000 steps)
     head_lr: float = 5e-4
@@ -73,7 +73,10 @@ class TrainSettings:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_first_layer: int = 4  # LoRA on decoder layers >= this one: the backward pass stops there
-    label_smoothing: float = 0.05  # clef-finetune's default
+    label_smoothing: float = 0.05  # clef-finetune's default (the LoRA stage)
+    # the head stage: none, so the head can saturate (smoothing 0.05 caps p at 0.967 for three options, where a
+    # small logit shift still moves p by a few hundredths); the fixture needs decided, not calibrated, answers
+    head_label_smoothing: float = 0.0
     brier_weight: float = 1.0  # clef-finetune's default
     max_grad_norm: float = 1.0
     image_rate: float = 0.1  # share of training records that carry an (uninformative) image
@@ -146,7 +149,8 @@ def _hidden_states(model: Any, batch: dict[str, Any]) -> Any:
                       return_dict=True, **media).last_hidden_state
 
 
-def _batch_loss(logits: Any, chunk: list[int], encoded: list, records: list, settings: TrainSettings) -> Any:
+def _batch_loss(logits: Any, chunk: list[int], encoded: list, records: list, settings: TrainSettings,
+                smoothing: float) -> Any:
     """clef-finetune's `question_loss` (label-smoothed CE + Brier) averaged over the batch's questions."""
     import torch
     from clef_finetune.losses import question_loss
@@ -156,7 +160,7 @@ def _batch_loss(logits: Any, chunk: list[int], encoded: list, records: list, set
         record = records[index]
         for question, question_logits, target in zip(encoded[index][0].questions, record_logits, encoded[index][1]):
             loss, _ = question_loss(question_logits, target, record["questions"][question.question_id]["type"],
-                                    settings.label_smoothing, settings.brier_weight, 0.0)
+                                    smoothing, settings.brier_weight, 0.0)
             losses.append(loss)
     return torch.stack(losses).mean()
 
@@ -213,38 +217,9 @@ def _train(base: Path, records: list[dict[str, Any]], settings: TrainSettings, s
     rng = random.Random(seed)
     cpu = torch.device("cpu")
     started = time.perf_counter()
-    lm_head = model.language_model.get_output_embeddings().weight
-
-    # stage 1: the head on cached hidden states
-    model.eval()
-    hidden = []
-    with torch.no_grad():
-        for index in range(len(encoded)):
-            batch = jsm.collate_records([encoded[index][0]], tokenizer.pad_token_id, cpu)
-            hidden.append(_hidden_states(model, batch)[0])
-    _log(f"hidden states of {len(encoded)} records ({time.perf_counter() - started:.0f} s)")
     head_params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(head_params, lr=settings.head_stage_lr, weight_decay=0.0)
-    scheduler = _schedule(optimizer, settings.head_steps, settings.warmup_steps)
-    head_loss = []
-    for chunk in _batches(len(encoded), settings.head_batch_size, settings.head_steps, rng):
-        batch = jsm.collate_records([encoded[i][0] for i in chunk], tokenizer.pad_token_id, cpu)
-        states = torch.zeros(len(chunk), batch["input_ids"].shape[1], hidden[0].shape[-1])
-        for row, i in enumerate(chunk):
-            states[row, : hidden[i].shape[0]] = hidden[i]
-        logits = model.head(states, batch["input_ids"], batch["attention_mask"], batch["records"], lm_head)
-        loss = _batch_loss(logits, chunk, encoded, records, settings)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head_params, settings.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        head_loss.append(loss.item())
-        if len(head_loss) % 50 == 0:
-            _log(f"head step {len(head_loss)}/{settings.head_steps} loss {sum(head_loss[-50:]) / 50:.4f} "
-                 f"({time.perf_counter() - started:.0f} s)")
 
-    # stage 2: LoRA + head (clef-finetune's recipe), batched
+    # stage 1: LoRA + head (clef-finetune's recipe), batched
     lora_params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([{"params": lora_params, "lr": settings.lr},
                                    {"params": head_params, "lr": settings.head_lr}], weight_decay=0.0)
@@ -253,7 +228,7 @@ def _train(base: Path, records: list[dict[str, Any]], settings: TrainSettings, s
     lora_loss = []
     for chunk in _batches(len(encoded), settings.batch_size, settings.lora_steps, rng):
         batch = jsm.collate_records([encoded[i][0] for i in chunk], tokenizer.pad_token_id, cpu)
-        loss = _batch_loss(model(batch), chunk, encoded, records, settings)
+        loss = _batch_loss(model(batch), chunk, encoded, records, settings, settings.label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lora_params + head_params, settings.max_grad_norm)
@@ -264,6 +239,40 @@ def _train(base: Path, records: list[dict[str, Any]], settings: TrainSettings, s
              f"({time.perf_counter() - started:.0f} s)")
     model.eval()
     merged = peft_model.merge_and_unload()
+    reader = CheckpointReader(base)
+    with torch.no_grad():  # round to the release's stored dtype (bf16): the head trains on what it will read
+        for name, module in merged.named_modules():
+            if isinstance(module, torch.nn.Linear) and name + ".weight" in reader:
+                stored = reader.tensor(name + ".weight")
+                module.weight.copy_(module.weight.to(stored.dtype).to(module.weight.dtype))
+
+    # stage 2: the head alone on the merged backbone's hidden states, computed once per record
+    hidden = []
+    with torch.no_grad():
+        for index in range(len(encoded)):
+            batch = jsm.collate_records([encoded[index][0]], tokenizer.pad_token_id, cpu)
+            hidden.append(_hidden_states(model, batch)[0])
+    _log(f"hidden states of {len(encoded)} records ({time.perf_counter() - started:.0f} s)")
+    lm_head = model.language_model.get_output_embeddings().weight
+    optimizer = torch.optim.AdamW(head_params, lr=settings.head_stage_lr, weight_decay=0.0)
+    scheduler = _schedule(optimizer, settings.head_steps, settings.warmup_steps)
+    head_loss = []
+    for chunk in _batches(len(encoded), settings.head_batch_size, settings.head_steps, rng):
+        batch = jsm.collate_records([encoded[i][0] for i in chunk], tokenizer.pad_token_id, cpu)
+        states = torch.zeros(len(chunk), batch["input_ids"].shape[1], hidden[0].shape[-1])
+        for row, i in enumerate(chunk):
+            states[row, : hidden[i].shape[0]] = hidden[i]
+        logits = model.head(states, batch["input_ids"], batch["attention_mask"], batch["records"], lm_head)
+        loss = _batch_loss(logits, chunk, encoded, records, settings, settings.head_label_smoothing)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head_params, settings.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        head_loss.append(loss.item())
+        if len(head_loss) % 50 == 0:
+            _log(f"head step {len(head_loss)}/{settings.head_steps} loss {sum(head_loss[-50:]) / 50:.4f} "
+                 f"({time.perf_counter() - started:.0f} s)")
     log = {"lora_targets": len(targets), "head_loss_first": round(head_loss[0], 4) if head_loss else None,
            "head_loss_last50": round(sum(head_loss[-50:]) / max(1, len(head_loss[-50:])), 4),
            "lora_loss_last": round(lora_loss[-1], 4) if lora_loss else None,
