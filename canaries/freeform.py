@@ -176,7 +176,7 @@ def compare_answers(items: list[dict[str, Any]], base: list[Any], variant: list[
     n = len(rows)
     effect_rows = [rows[i] for i in effect_indices(items)]
 
-    def lengths(selected, side, unit):
+    def lengths(selected: list[dict[str, Any]], side: str, unit: str) -> list[Any]:
         return [row[side][unit] for row in selected]
 
     summary: dict[str, Any] = {"prompts": n, "effect_prompts": len(effect_rows)}

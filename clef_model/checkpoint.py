@@ -25,14 +25,21 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+if TYPE_CHECKING:  # torch and numpy stay lazy imports at run time
+    import numpy as np
+    import torch
+    from numpy.typing import DTypeLike
 
 from clef_model.errors import BlazeError, ReleaseError
 from clef_model.files import INDEX_FILE, SINGLE_FILE
 from clef_model.outputs import atomic_output  # noqa: F401 - re-exported: every writer's import point
+
+_Bytes = bytes | bytearray | memoryview  # a bytes-like chunk of tensor data
 
 INDEX_NAME = INDEX_FILE  # (names kept: every reader imports them from here)
 SINGLE_NAME = SINGLE_FILE
@@ -56,10 +63,10 @@ _TORCH_NAMES = {
 _ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype | DTypeLike) -> str:
     """The safetensors dtype string of a torch or numpy dtype (e.g. torch.bfloat16 -> "BF16")."""
     if not type(dtype).__module__.startswith("torch"):
-        return numpy_dtype_name(dtype)
+        return numpy_dtype_name(cast("DTypeLike", dtype))
     import torch
 
     for name, attr in _TORCH_NAMES.items():
@@ -68,14 +75,14 @@ def dtype_name(dtype) -> str:
     raise ValueError(f"dtype {dtype} cannot be stored in safetensors")
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype string (e.g. "BF16" -> torch.bfloat16); imports torch."""
     import torch
 
     return getattr(torch, _TORCH_NAMES[name])
 
 
-def numpy_dtype(name: str):
+def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a safetensors dtype string, little-endian (bfloat16 / float8 from `ml_dtypes`)."""
     import numpy as np
 
@@ -92,7 +99,7 @@ def numpy_dtype(name: str):
     return np.dtype(_TORCH_NAMES[name]).newbyteorder("<")
 
 
-def numpy_dtype_name(dtype) -> str:
+def numpy_dtype_name(dtype: DTypeLike) -> str:
     """The safetensors dtype string of a numpy dtype (e.g. ml_dtypes.bfloat16 -> "BF16")."""
     import numpy as np
 
@@ -313,7 +320,7 @@ class CheckpointReader:
             if handle.readinto(buffer) != info.nbytes:
                 raise ReleaseError(f"{info.file}: ended early while reading {info.name!r}; the file is truncated.")
 
-    def array(self, name: str):
+    def array(self, name: str) -> np.ndarray:
         """Load just this tensor as a numpy array in its stored dtype (torch-free; bf16 via ml_dtypes)."""
         import numpy as np
 
@@ -323,7 +330,7 @@ class CheckpointReader:
             self._read_into(info, buffer)
         return np.frombuffer(buffer, dtype=numpy_dtype(info.dtype)).reshape(info.shape)
 
-    def tensor(self, name: str):
+    def tensor(self, name: str) -> torch.Tensor:
         """Load just this tensor as a torch tensor, in its stored dtype, on the CPU (imports torch)."""
         import torch
 
@@ -336,7 +343,7 @@ class CheckpointReader:
         return torch.frombuffer(buffer, dtype=dtype).reshape(info.shape)
 
 
-def tensor_to_bytes(tensor) -> memoryview:
+def tensor_to_bytes(tensor: torch.Tensor | np.ndarray) -> memoryview:
     """A CPU torch tensor's or numpy array's raw bytes in row-major order (a view, no dtype conversion)."""
     if not type(tensor).__module__.startswith("torch"):
         import numpy as np
@@ -345,21 +352,21 @@ def tensor_to_bytes(tensor) -> memoryview:
         return array.reshape(-1).view(np.uint8).data.cast("B") if array.size else memoryview(b"")
     import torch
 
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    flat = cast(torch.Tensor, tensor).detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-def copy_range(src, offset: int, nbytes: int, dst) -> None:
+def copy_range(src: str | os.PathLike[str] | BinaryIO, offset: int, nbytes: int, dst: BinaryIO) -> None:
     """Copy `nbytes` from `src` at `offset` to the current position of open file `dst`, in the kernel if possible.
 
     `src` is a path, or a file opened for binary reading (kept open by the caller across many ranges, so
     the kernel's readahead keeps its sequential state; its position is not used).
     """
     if isinstance(src, (str, os.PathLike)):
-        with open(src, "rb") as handle:
-            copy_range(handle, offset, nbytes, dst)
+        with open(src, "rb") as source:
+            copy_range(source, offset, nbytes, dst)
         return
     handle, name = src, getattr(src, "name", "the source")
     dst.flush()
@@ -512,11 +519,11 @@ class ShardedWriter:
         return nbytes
 
     # -- adding tensors ---------------------------------------------------------------------------------
-    def add_tensor(self, name: str, tensor) -> None:
+    def add_tensor(self, name: str, tensor: torch.Tensor | np.ndarray) -> None:
         """Write one torch tensor or numpy array (its dtype and shape as given); the tensor is not kept."""
         self.add_raw(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor_to_bytes(tensor))
 
-    def add_raw(self, name: str, dtype: str, shape: Sequence[int], data) -> None:
+    def add_raw(self, name: str, dtype: str, shape: Sequence[int], data: _Bytes | Iterable[_Bytes]) -> None:
         """Write one tensor from raw bytes: a bytes-like object or an iterable of bytes-like chunks."""
         nbytes = self._start_tensor(name, dtype, shape)
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data

@@ -34,6 +34,8 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from clef_model.errors import BlazeError
 from clef_model.files import MANIFEST_FILE
@@ -172,7 +174,7 @@ def _cleanup_on_signals(folder: Path) -> Iterator[None]:
         yield
         return
 
-    def handler(signum, frame):  # noqa: ARG001
+    def handler(signum: int, frame: FrameType | None) -> NoReturn:  # noqa: ARG001
         raise SystemExit(128 + signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+if TYPE_CHECKING:  # a type name only: the release module is not needed at run time
+    from clef_model.release import Release
 
 import numpy as np
 
@@ -50,7 +54,20 @@ PATCH_FORMAT = "blaze-delta/1"
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
-def check_factor_shapes(name: str, u_shape, v_shape) -> None:
+class PatchLike(Protocol):
+    """A patch as the identity checks see it: `PatchArrays` or a torch `surgery.patch.Patch` (which imports this
+    module, so it is described here rather than imported)."""
+
+    base_identity: dict[str, Any] | None
+
+
+class TorchPatch(PatchLike, Protocol):
+    """A torch `surgery.patch.Patch`: it can view itself as `PatchArrays`."""
+
+    def arrays(self) -> PatchArrays: ...
+
+
+def check_factor_shapes(name: str, u_shape: Sequence[int], v_shape: Sequence[int]) -> None:
     """Refuse factors that are not U (d_out×k) and V (d_in×k) with the same k (numpy or torch shapes)."""
     if len(u_shape) != 2 or len(v_shape) != 2 or u_shape[1] != v_shape[1]:
         raise BlazeError(
@@ -190,7 +207,7 @@ def patch_path(path: Path) -> Path:
     return path
 
 
-def as_arrays(patch) -> PatchArrays:
+def as_arrays(patch: PatchArrays | TorchPatch) -> PatchArrays:
     """A `PatchArrays` for a `PatchArrays` or a `surgery.patch.Patch` (whose `arrays()` shares memory)."""
     return patch if isinstance(patch, PatchArrays) else patch.arrays()
 
@@ -262,7 +279,7 @@ def tensor_sha256(reader: CheckpointReader, name: str) -> str:
     return digest.hexdigest()
 
 
-def base_identity(release, names: list[str]) -> dict:
+def base_identity(release: Release, names: list[str]) -> dict:
     """Identity of a base for a patch editing `names`: ref, revision, index hash, and each edited tensor's hash.
 
     `release` is a `clef_model.release.Release` (or anything with `path`, `ref`, `revision`). Hashing only
@@ -295,7 +312,7 @@ def base_identity(release, names: list[str]) -> dict:
     }
 
 
-def trusted_tensor_sha256(patch, release) -> dict[str, str]:
+def trusted_tensor_sha256(patch: PatchLike, release: Release) -> dict[str, str]:
     """Recorded tensor hashes (NAME -> SHA-256) that hold for `release` without reading the tensors.
 
     A tensor qualifies when its shard in `release` has the same file name and an already-known SHA-256
@@ -319,12 +336,12 @@ def trusted_tensor_sha256(patch, release) -> dict[str, str]:
     return trusted
 
 
-def identity_mismatches(patch, release) -> list[str]:
+def identity_mismatches(patch: PatchLike, release: Release) -> list[str]:
     """How `release` differs from the base recorded in `patch` (empty: same base, or nothing recorded)."""
     return check_identity(patch, release)[0]
 
 
-def check_identity(patch, release, *, tensors: bool = True) -> tuple[list[str], dict[str, str]]:
+def check_identity(patch: PatchLike, release: Release, *, tensors: bool = True) -> tuple[list[str], dict[str, str]]:
     """(`identity_mismatches`, the SHA-256 of the recorded tensors as found in `release`: NAME -> digest).
 
     The digests let a caller that goes on to stream the same tensors skip hashing them a second time.

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from clef_model.checkpoint import atomic_output, save_tensors
 from clef_model.errors import BlazeError
 from surgery.patch import Patch
+
+if TYPE_CHECKING:
+    from clef_model.release import Release
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,7 +38,7 @@ def _model_class(base):
     return AutoModelForCausalLM
 
 
-def module_names(base) -> set[str]:
+def module_names(base: Release) -> set[str]:
     """Names of every nn.Linear of the base's model class (skeleton on the meta device, no weights read)."""
     from transformers import AutoConfig
 
@@ -45,7 +49,7 @@ def module_names(base) -> set[str]:
     return {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
-def export_lora(patch: Patch, base, out_dir: Path, *, force: bool = False) -> Path:
+def export_lora(patch: Patch, base: Release, out_dir: Path, *, force: bool = False) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` equal to the patch; returns the folder.
 
     `base` is the Release the patch applies to (its config decides the model class and module names).

@@ -16,7 +16,9 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from clef_model.checkpoint import CheckpointReader
@@ -31,6 +33,9 @@ from surgery.delta import (  # noqa: F401  (re-exported: the historical home of 
     identity_mismatches,
     tensor_sha256,
 )
+
+if TYPE_CHECKING:
+    from clef_model.runtime import Runtime
 
 
 @dataclass
@@ -81,7 +86,7 @@ class Patch:
 
     def arrays(self) -> PatchArrays:
         """The same patch as numpy arrays sharing this patch's memory (for the torch-free writer and file I/O)."""
-        def host(t: torch.Tensor):
+        def host(t: torch.Tensor) -> np.ndarray:
             return t.detach().to("cpu", torch.float32).contiguous().numpy()  # no copy for the usual factors
 
         return PatchArrays({n: (host(u), host(v)) for n, (u, v) in self.factors.items()},
@@ -122,7 +127,7 @@ class Patch:
 
     # -- in memory ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def applied(self, runtime, scale: float = 1.0) -> Iterator[None]:
+    def applied(self, runtime: Runtime, scale: float = 1.0) -> Iterator[None]:
         """Add scale·U Vᵀ to the live weights of `runtime` (in fp32, cast back); restore the originals on exit."""
         linears: Mapping[str, torch.nn.Linear] = runtime.named_linears()
         missing = [n for n in self.names() if n not in linears]

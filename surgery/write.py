@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -51,6 +51,7 @@ from surgery.delta import PATCH_FILE, BaseMismatchError, PatchArrays, RowBlockUp
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
 
 if TYPE_CHECKING:
+    from clef_model.release import Release
     from surgery.patch import Patch
 
 _BLOCK_BYTES = 4 * 1024 * 1024  # bytes of stored data per read/compute block of an edited tensor
@@ -89,7 +90,7 @@ class _AsyncSha256:
                 self._hashed += 1
                 self._progress.notify_all()
 
-    def update(self, chunk) -> int:
+    def update(self, chunk: bytes | memoryview) -> int:
         """Queue a chunk (the caller must not modify it until it is hashed); returns its ticket."""
         self._queue.put(chunk)
         self._queued += 1
@@ -148,10 +149,10 @@ class _MappedWindows:
 class _HashingFile:
     """A write-only file wrapper that hashes everything written through it."""
 
-    def __init__(self, handle, hasher: _AsyncSha256):
+    def __init__(self, handle: BinaryIO, hasher: _AsyncSha256) -> None:
         self._handle, self._hasher = handle, hasher
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         self._hasher.update(view)
         return self._handle.write(view)
@@ -163,7 +164,7 @@ class _HashingFile:
 class _HashingWriter(ShardedWriter):
     """ShardedWriter that SHA-256-hashes every shard as it is written (planned layouts only)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shard_hashers: list[_AsyncSha256] = []
 
@@ -498,7 +499,7 @@ def _stream_weights(reader: CheckpointReader, patch: PatchArrays, folder: Path, 
 
 
 def write_variant(
-    base,
+    base: Release,
     patch: PatchArrays | Patch,
     out: Path,
     *,

@@ -16,7 +16,10 @@ import copy
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 from clef_model.errors import BlazeError
 
@@ -64,7 +67,7 @@ def neutral_texts() -> list[str]:
     return [item["text"] for item in read_jsonl(SUITES_DIR / "neutral_texts.jsonl")]
 
 
-def receipt_image():
+def receipt_image() -> Image.Image:
     """A shop receipt drawn with PIL (food items, total 62.40): the image canary needs no binary file."""
     from PIL import Image, ImageDraw
 
