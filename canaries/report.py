@@ -153,7 +153,7 @@ def _integrity_lines(integrity: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def print_report(report: dict[str, Any], echo=click.echo) -> None:
+def print_report(report: dict[str, Any], echo: Callable[[str], Any] = click.echo) -> None:
     """Print a readable summary: figures table, example answers, prompted ceiling, decision lines, integrity, gate."""
     labels = report.get("meta", {})
     base_label, variant_label = labels.get("base_label", "base"), labels.get("variant_label", "variant")
