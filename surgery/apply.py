@@ -1,7 +1,7 @@
 """`blaze apply`'s domain logic: a saved patch + a base release -> a variant folder, by streaming.
 
 Torch-free (numpy + ml_dtypes through `surgery.delta` and `surgery.write`), so `blaze apply` stays far
-below the ≈ 700 MiB `import torch` costs. The CLI command (`variants/cli_apply.py`) only parses options,
+below the ≈ 700 MiB `import torch` costs. The CLI command (`variants/cli/apply.py`) only parses options,
 calls `apply_patch` and prints its result.
 
 The checks, in order, before a byte is written:

@@ -1,4 +1,4 @@
-"""CLI: `blaze behaviors` (list, show, scaffold behaviour specs) and `blaze publish` (variant → Hub)."""
+"""`blaze behaviors`: list, show and scaffold behaviour specs."""
 
 from __future__ import annotations
 
@@ -61,33 +61,3 @@ def behaviors_new(name: str, folder: Path) -> None:
     """Scaffold a valid spec file NAME.json to edit (refuses to overwrite an existing file)."""
     path = scaffold_behavior(name, folder)
     click.echo(f"wrote {path}: replace the examples, then `blaze behaviors show {path}` to validate it")
-
-
-@click.command("publish")
-@click.argument("variant", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--repo", "repo_id", required=True, help="Hub repo id to publish to, NAMESPACE/NAME.")
-@click.option("--private", is_flag=True, help="Create the repo private (applies when the repo is created).")
-@click.option("--revision", default=None, help="Branch to upload to (created from main when new). Default: main.")
-@click.option("--dry-run", is_flag=True, help="Print the file list and the model card; no upload, works offline.")
-@click.option("--force", is_flag=True, help="Publish even if the manifest, canary gate or integrity checks fail.")
-@click.option("--token-env", default="HF_TOKEN", show_default=True,
-              help="Environment variable holding the Hub token (else huggingface_hub's stored login). "
-                   "The token is never written anywhere.")
-def publish_command(variant: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool, force: bool,
-                    token_env: str) -> None:
-    """Upload a variant folder to the Hugging Face Hub with a generated model card (README.md).
-
-    Refuses a folder whose files do not match blaze_manifest.json, or whose canary report
-    (blaze_canary.json) is missing, failed its gate or failed integrity — unless --force.
-    HF_ENDPOINT selects another Hub endpoint.
-    """
-    from variants.publish import publish
-
-    publish(variant, repo_id, private=private, revision=revision, dry_run=dry_run, force=force,
-            token_env=token_env, echo=click.echo)
-
-
-def register(group: click.Group) -> None:
-    """Add this module's commands to the blaze group."""
-    group.add_command(behaviors)
-    group.add_command(publish_command)

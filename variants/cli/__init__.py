@@ -1,4 +1,8 @@
-"""The `blaze` command line: one click group; each package's commands live in `variants/cli_*.py`.
+"""The `blaze` command line: one click group; each command lives in its own module of this package.
+
+`variants/cli/NAME.py` defines the click command `NAME` (a module-level object of the same name) and only
+parses options and prints: the work is in the domain modules. `options.py` holds the option helpers the
+commands share. They are added to the group in one place, at the bottom of this module.
 
 Exit codes (the contract scripts rely on; README "Exit codes"):
 
@@ -21,11 +25,11 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import click
 
 from clef_model.errors import BlazeError
-from variants import cli_apply, cli_canary, cli_runtime, cli_surgery, cli_variants
 
 EXIT_OK, EXIT_GATE_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -89,7 +93,7 @@ class _Group(click.Group):
         ctx.meta["blaze.argv"] = list(args)  # the command line, for the internal-error log
         return super().parse_args(ctx, args)
 
-    def invoke(self, ctx: click.Context):  # noqa: D102
+    def invoke(self, ctx: click.Context) -> Any:  # noqa: D102
         debug = bool(ctx.params.get("debug"))
         try:
             return super().invoke(ctx)
@@ -147,9 +151,11 @@ def main(debug: bool) -> None:
     """
 
 
-for _module in (cli_runtime, cli_surgery, cli_apply, cli_canary, cli_variants):
+from variants import cli_canary, cli_surgery  # (moving into this package next)
+from variants.cli import apply, behaviors, fixture, generate, publish, systemone
+
+for _command in (apply.apply, behaviors.behaviors, fixture.fixture, generate.generate, publish.publish,
+                 systemone.systemone):
+    main.add_command(_command)
+for _module in (cli_surgery, cli_canary):
     _module.register(main)
-
-
-if __name__ == "__main__":  # `python -m variants.cli …` works like the `blaze` command
-    main()
