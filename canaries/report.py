@@ -198,7 +198,7 @@ def _echo_table(rows: Sequence[Sequence[str]], echo: Callable[[str], Any]) -> No
             echo("  ".join("-" * w for w in widths))
 
 
-def _echo_prompted(report: dict[str, Any], echo, base_label: str, variant_label: str) -> None:
+def _echo_prompted(report: dict[str, Any], echo: Callable[[str], Any], base_label: str, variant_label: str) -> None:
     rows = prompted_rows(report)
     echo("")
     if rows is None:

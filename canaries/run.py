@@ -57,7 +57,8 @@ class CanarySuite(dict):
     """The inputs of one canary run as plain data: freeform, decisions, neutral_prompts, neutral_texts."""
 
 
-def _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, is_clef: bool) -> CanarySuite:
+def _suite(freeform_prompts: list[Any], decision_requests: list[dict] | None, neutral_prompts: list[Any] | None,
+           neutral_texts: list[str] | None, is_clef: bool) -> CanarySuite:
     freeform = [dict(item, source=item.get("source", "general")) if isinstance(item, dict) else
                 {"prompt": item, "source": "general"} for item in freeform_prompts]
     if not freeform:

@@ -28,6 +28,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 if TYPE_CHECKING:  # torch and numpy stay lazy imports at run time
@@ -314,7 +315,7 @@ class CheckpointReader:
             raise ReleaseError(f"{info.file}: ended early while reading {name!r}; the file is truncated.")
         return data
 
-    def _read_into(self, info: TensorInfo, buffer) -> None:
+    def _read_into(self, info: TensorInfo, buffer: bytearray) -> None:
         with open(info.file, "rb") as handle:
             handle.seek(info.offset)
             if handle.readinto(buffer) != info.nbytes:
@@ -540,7 +541,7 @@ class ShardedWriter:
         returns its size."""
         return self._start_tensor(name, dtype, shape)
 
-    def _file(self):
+    def _file(self) -> BinaryIO:
         """The open shard file that raw copies go to (subclasses that wrap the handle return the real file)."""
         return self._handle
 
@@ -592,7 +593,8 @@ class ShardedWriter:
     def __enter__(self) -> ShardedWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None:
             self.abort()
         elif not self._closed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _model_class(base):
+def _model_class(base: Release) -> Any:  # a transformers model class, or the AutoModelForCausalLM factory
     """The transformers class PEFT will wrap for this base (the one its loader uses)."""
     if getattr(base, "kind", None) == "clef" or getattr(base, "architecture", None) == "qwen3_5":
         from transformers import Qwen3_5ForConditionalGeneration

@@ -157,7 +157,7 @@ class _HashingFile:
         self._hasher.update(view)
         return self._handle.write(view)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
 
 
@@ -178,7 +178,7 @@ class _HashingWriter(ShardedWriter):
             hasher.update(handle.read())
         self._handle = _HashingFile(self._handle, hasher)
 
-    def _file(self):
+    def _file(self) -> BinaryIO:
         return self._handle._handle  # raw copies bypass the wrapper; their bytes are hashed by the caller
 
     def abort(self) -> None:
@@ -187,7 +187,7 @@ class _HashingWriter(ShardedWriter):
             hasher.stop()
 
 
-def _side_files(base, reader: CheckpointReader) -> list[str]:
+def _side_files(base: Release, reader: CheckpointReader) -> list[str]:
     """Every non-weight file of the base (relative POSIX names), minus junk (`clef_model.release.is_junk`:
     hidden files, `__pycache__`, editor backups) and a previous variant's blaze files."""
     weights = {p.name for p in reader.shard_files()} | {INDEX_NAME}
