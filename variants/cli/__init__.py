@@ -151,11 +151,10 @@ def main(debug: bool) -> None:
     """
 
 
-from variants import cli_canary, cli_surgery  # (moving into this package next)
-from variants.cli import apply, behaviors, fixture, generate, publish, systemone
+from variants import cli_canary  # (moving into this package next)
+from variants.cli import apply, behaviors, edit, fixture, generate, publish, systemone
 
-for _command in (apply.apply, behaviors.behaviors, fixture.fixture, generate.generate, publish.publish,
+for _command in (apply.apply, behaviors.behaviors, edit.edit, fixture.fixture, generate.generate, publish.publish,
                  systemone.systemone):
     main.add_command(_command)
-for _module in (cli_surgery, cli_canary):
-    _module.register(main)
+cli_canary.register(main)

@@ -1,0 +1,72 @@
+"""`blaze edit`: make a behaviour variant (statistics → closed-form solve → strength search → variant + canary).
+
+The edit settings' options are generated from ``variants.spec.EditSettings`` and the gate's from
+``canaries.gate.Thresholds`` (``variants.cli.options``): one definition, with its help text, per setting.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from canaries.gate import Thresholds
+from variants.cli.options import dataclass_options, field_names
+from variants.spec import EditSettings
+
+EDIT_SKIP = ("strength_grid",)
+
+
+@click.command("edit")
+@click.option("--behavior", "-b", required=True,
+              help="Behaviour spec: a catalogue name (see `blaze behaviors`) or a path to a spec JSON file.")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path),
+              help="Output folder for the variant (a drop-in release). Refused if not empty, unless --force.")
+@click.option("--base", default=None,
+              help="Base release: a folder, a Hub id, or `smollm2` (the embedded SmolLM2-135M-Instruct). "
+                   "Default: Cloudflare/clef-flash.")
+@click.option("--revision", default=None, help="Hub revision of the base (branch, tag or commit).")
+@dataclass_options(EditSettings, default_note="Default: the spec's.", skip=EDIT_SKIP)
+@dataclass_options(Thresholds, default_note="Default: the spec's gate.")
+@click.option("--device", default=None, help="cuda, cpu, cuda:1, … Default: cuda when available.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Compute dtype. Default: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True,
+              help="Sequences per forward pass.")
+@click.option("--force", is_flag=True, help="Overwrite a non-empty --out folder.")
+@click.option("--no-canary", is_flag=True, help="Skip the final canary (held-out + general suites).")
+@click.option("--export-lora", type=click.Path(path_type=Path), default=None,
+              help="Also write a PEFT LoRA adapter equal to the edit into this folder.")
+@click.option("--trust-release-code", is_flag=True,
+              help="Run a base's release code even if its SHA-256 is not on blaze's allowlist.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where activation statistics are cached (default: $BLAZE_CACHE or ~/.cache/blaze).")
+def edit(behavior: str, out: Path, base: str | None, revision: str | None, device: str | None, dtype: str | None,
+         batch_size: int, force: bool, no_canary: bool, export_lora: Path | None, trust_release_code: bool,
+         cache_dir: Path | None, **settings: Any) -> None:
+    """Make a behaviour variant of a base release by closed-form, rank-limited weight edits.
+
+    \b
+    Exit codes: 0 written; 1 `--strength auto` found no point that passes the gate (nothing written);
+    2 bad input or refused.
+    Example:
+      blaze edit --behavior verbosity --out ./clef-flash-concise
+      blaze edit --base smollm2 --behavior verbosity --out ./smollm2-concise --device cpu
+    """
+    from clef_model.env import quiet
+    from variants.build import BuildOptions, build_variant
+    from variants.search import NoPassingPoint
+
+    gate = {name: settings.pop(name) for name in field_names(Thresholds)}
+    try:
+        build_variant(BuildOptions(
+            behavior=behavior, out=out, base=base, revision=revision, **settings, gate=gate, device=device,
+            dtype=dtype, force=force, canary=not no_canary, export_lora=export_lora,
+            trust_release_code=trust_release_code, batch_size=batch_size, cache_dir=cache_dir,
+            progress=not quiet(),
+        ), echo=lambda message: click.echo(message, err=True))
+    except NoPassingPoint as verdict:  # a gate verdict, not bad input: exit code 1
+        click.echo(f"gate: {verdict}", err=True)
+        sys.exit(1)
