@@ -9,7 +9,7 @@ edit toggled in memory by `activate`) or be two Runtimes; `run_sequential` loads
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from canaries import damage as damage_mod
@@ -18,6 +18,7 @@ from canaries import freeform as freeform_mod
 from canaries import gate as gate_mod
 from canaries import prompted as prompted_mod
 from canaries.cache import BaseCache, cache_key
+from canaries.gate import Thresholds
 from canaries.handles import ModelView
 from canaries.integrity import check_integrity  # noqa: F401  (public API lives in this module too)
 from canaries.report import print_report, to_markdown  # noqa: F401  (public API)
@@ -183,7 +184,7 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
 
 def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[dict[str, Any]],
                decision_requests: list[dict] | None = None, neutral_prompts: list[Any] | None = None,
-               neutral_texts: list[str] | None = None, thresholds: dict | None = None, quality: str | None = None,
+               neutral_texts: list[str] | None = None, thresholds: Thresholds | Mapping[str, Any] | None = None, quality: str | None = None,
                max_new_tokens: int = 96, integrity: dict | None = None, progress: bool = True,
                batch_size: int = 16, damage_tokens: int = DEFAULT_DAMAGE_TOKENS,
                base_cache: BaseCache | None = None, base_key: str | None = None,
@@ -236,7 +237,7 @@ def _base_side(base: ModelView, suite: CanarySuite, settings: dict, cache: BaseC
 def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any], *,
                    freeform_prompts: list[dict[str, Any]], decision_requests: list[dict] | None = None,
                    neutral_prompts: list[Any] | None = None, neutral_texts: list[str] | None = None,
-                   thresholds: dict | None = None, quality: str | None = None, max_new_tokens: int = 96,
+                   thresholds: Thresholds | Mapping[str, Any] | None = None, quality: str | None = None, max_new_tokens: int = 96,
                    integrity: dict | None = None, progress: bool = True, batch_size: int = 16,
                    damage_tokens: int = DEFAULT_DAMAGE_TOKENS, base_cache: BaseCache | None = None,
                    base_key: str | None = None, base_is_clef: bool | None = None,

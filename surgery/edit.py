@@ -280,8 +280,10 @@ def solve_factors(
             # The solve does not depend on the strength (calibration scales it), so a strength sweep
             # solves each matrix once: the d_in × d_in systems are the expensive part at 9B scale.
             memo_key = ("solve", name, method, rank, lam, threshold, mu, str(dev))
-            f = stats.memo.get(memo_key)
-            if f is None:
+            cached: solvers.Factors | None = stats.memo.get(memo_key)
+            if cached is not None:
+                f = cached
+            else:
                 cross = solvers.cross_moment(basis, pair_targets, ks.pair_means.to(dev), ks.pair_counts.to(dev))
                 cb = ks.behaviour_moment.to(dev)
                 cp = None if ks.preserve_moment is None else ks.preserve_moment.to(dev)

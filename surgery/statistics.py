@@ -17,9 +17,10 @@ the running sums in float32 (CUDA, memory) or float64 (CPU); the final ``lm_head
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -99,7 +100,7 @@ class Statistics:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path | str) -> "Statistics":
+    def load(cls, path: Path | str) -> Statistics:
         """Read a file written by :meth:`save`."""
         try:
             payload = torch.load(Path(path), map_location="cpu", weights_only=True)
@@ -222,6 +223,7 @@ class _Collector:
         self.handles = []
 
     def _rows(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        assert self.flat is not None, "the kept positions are set before a forward pass is captured"
         return x.reshape(-1, x.shape[-1]).index_select(0, self.flat).to(dtype or self.acc)
 
     def _moment(self, rows32: torch.Tensor) -> torch.Tensor:
@@ -297,7 +299,9 @@ def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, 
             width = -(-max(len(s.ids) for s in batch) // _WIDTH_BUCKET) * _WIDTH_BUCKET
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
-            flat, pair, side = [], [], []
+            flat: list[int] = []
+            pair: list[int] = []
+            side: list[int] = []
             for row, seq in enumerate(batch):
                 ids[row, : len(seq.ids)] = torch.tensor(seq.ids, dtype=torch.long)
                 mask[row, : len(seq.ids)] = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def test_tiny_spec_loads_from_path(tmp_path):
     assert spec.gate.min_effect == 0.3 and spec.gate.max_first_token_kl == 0.1
     assert spec.pair_counts() == {"train": 2, "validation": 1, "heldout": 1, "preserve": 1}
     assert spec.spec_hash == spec_hash(TINY) and len(spec.spec_hash) == 64
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"  # frozen
 
 

@@ -105,7 +105,7 @@ def contrast_pairs(spec) -> list:
     """The spec's training pairs as ``ContrastPair``s, tagged with their direction index."""
     from surgery.directions import ContrastPair
 
-    out = []
+    out: list[ContrastPair] = []
     for index, (_name, pairs) in enumerate(spec.contrast_pairs_by_direction().items()):
         out.extend(ContrastPair(**pair, direction=index) for pair in pairs)
     return out

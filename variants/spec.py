@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from canaries.gate import THRESHOLD_FIELDS, Thresholds, is_finite, threshold_problems
 from clef_model.errors import BlazeError
@@ -50,7 +50,7 @@ class Message:
     content: str
 
 
-PromptValue = Union[str, tuple[Message, ...]]
+PromptValue = str | tuple[Message, ...]
 """A prompt as stored in a spec: one user message (str) or a chat ending with a user message."""
 
 
@@ -147,7 +147,7 @@ def parse_kinds(value: Any) -> tuple[str, ...]:
 
 
 def _opt(help_text: str, **extra: Any) -> dict[str, Any]:
-    """Field metadata: ``help`` is the text of the ``blaze edit`` flag made from the field (variants.cli_options)."""
+    """Field metadata: ``help`` is the text of the ``blaze edit`` flag made from the field (variants.cli.options)."""
     return {"help": help_text, **extra}
 
 
@@ -515,7 +515,7 @@ class _Validator:
         prompt = self.prompt(raw.get("prompt", _MISSING), f"{where}.prompt")
         wanted = self.text(raw.get("wanted", _MISSING), f"{where}.wanted")
         unwanted = self.text(raw.get("unwanted", _MISSING), f"{where}.unwanted")
-        if None in (prompt, wanted, unwanted):
+        if prompt is None or wanted is None or unwanted is None:
             return None
         return TrainPair(prompt, wanted, unwanted)
 
@@ -630,6 +630,8 @@ class _Validator:
         notes = self.text(raw.get("notes"), "notes", allow_none=True)
         if self.errors:
             return None
+        # each parser that answers None has recorded an error (required keys are checked by `obj`)
+        assert name is not None and version is not None and description is not None
         return BehaviorSpec(name=name, version=version, description=description, directions=directions,
                             heldout=heldout, preserve=preserve, quality=quality, defaults=defaults, gate=gate,
                             notes=notes)
