@@ -49,8 +49,9 @@ def edit(behavior: str, out: Path, base: str | None, revision: str | None, devic
     """Make a behaviour variant of a base release by closed-form, rank-limited weight edits.
 
     \b
-    Exit codes: 0 written; 1 `--strength auto` found no point that passes the gate (nothing written);
-    2 bad input or refused.
+    Exit codes: 0 written and the final canary's gate passed (or `--no-canary`); 1 a gate verdict:
+    `--strength auto` found no point that passes (nothing written), or the final canary on the held-out
+    split failed (the variant is written with its report, and `blaze publish` refuses it); 2 bad input or refused.
     Example:
       blaze edit --behavior verbosity --out ./clef-flash-concise
       blaze edit --base smollm2 --behavior verbosity --out ./smollm2-concise --device cpu
@@ -61,7 +62,7 @@ def edit(behavior: str, out: Path, base: str | None, revision: str | None, devic
 
     gate = {name: settings.pop(name) for name in field_names(Thresholds)}
     try:
-        build_variant(BuildOptions(
+        result = build_variant(BuildOptions(
             behavior=behavior, out=out, base=base, revision=revision, **settings, gate=gate, device=device,
             dtype=dtype, force=force, canary=not no_canary, export_lora=export_lora,
             trust_release_code=trust_release_code, batch_size=batch_size, cache_dir=cache_dir,
@@ -69,4 +70,12 @@ def edit(behavior: str, out: Path, base: str | None, revision: str | None, devic
         ), echo=lambda message: click.echo(message, err=True))
     except NoPassingPoint as verdict:  # a gate verdict, not bad input: exit code 1
         click.echo(f"gate: {verdict}", err=True)
+        sys.exit(1)
+    gate_report = (result.canary or {}).get("gate") or {}
+    if result.canary is not None and gate_report.get("passed") is not True:
+        # The final canary (held-out + general + integrity) is a verdict too: the variant stays on disk with its
+        # report for inspection, but the command says the gate failed, and `blaze publish` refuses it.
+        failed = ", ".join(gate_report.get("failed") or []) or "see the report"
+        click.echo(f"gate: the final canary FAILED ({failed}); the variant in {out} is kept for inspection, "
+                   "and `blaze publish` will refuse it", err=True)
         sys.exit(1)
