@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,10 @@ from surgery.targets import (
     resolve_targets,
     split_name,
 )
+
+if TYPE_CHECKING:
+    from clef_model.runtime import Runtime
+    from surgery.patch import Patch
 
 WeightSource = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
 LayerKernel = Mapping[int, float] | Callable[[int], float] | None
@@ -62,7 +66,7 @@ def _ranges(layers: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def plan(runtime, layers: str | Iterable[int], kinds: str | Iterable[str], *, method: str = "steer",
+def plan(runtime: Runtime, layers: str | Iterable[int], kinds: str | Iterable[str], *, method: str = "steer",
          rank: int = 1) -> EditPlan:
     """Resolve a layer spec (not ``auto``: see :func:`collect_statistics`) and kinds on a loaded runtime."""
     if method not in solvers.METHODS:
@@ -75,7 +79,7 @@ def plan(runtime, layers: str | Iterable[int], kinds: str | Iterable[str], *, me
         raise BlazeError("plan() needs concrete layers; 'auto' is resolved by collect_statistics")
     linears = runtime.named_linears()
     names = resolve_targets(linears, runtime.release.architecture, num_layers, chosen, kinds)
-    shapes = {n: tuple(linears[n].weight.shape) for n in names}
+    shapes = {n: (linears[n].weight.shape[0], linears[n].weight.shape[1]) for n in names}  # (d_out, d_in)
     return EditPlan(runtime.release.architecture, num_layers, list(chosen), parse_kinds(kinds), names, shapes,
                     method, rank)
 
@@ -97,7 +101,7 @@ def _fingerprint(runtime, pairs: Sequence[ContrastPair], preserve: PreserveSet |
 
 
 def collect_statistics(
-    runtime,
+    runtime: Runtime,
     contrast: Sequence[ContrastPair | dict],
     preserve: PreserveSet | dict | None,
     layers: str | Iterable[int],
@@ -173,7 +177,7 @@ def _cache_limit_bytes() -> float:
 
 
 # -------------------------------------------------------------------------------------------- solve
-def weights_from_runtime(runtime) -> Callable[[str], torch.Tensor]:
+def weights_from_runtime(runtime: Runtime) -> Callable[[str], torch.Tensor]:
     """A weight source reading the live modules of a runtime."""
     linears = runtime.named_linears()
     return lambda name: linears[name].weight.detach()
@@ -360,7 +364,7 @@ def solve(
     metadata: dict | None = None,
     targets: Iterable[str] | None = None,
     device: torch.device | str | None = None,
-):
+) -> Patch:
     """Solve every target and return a :class:`surgery.patch.Patch` whose metadata records the
     method, strength, rank, λ, threshold, μ, layers, kinds, per-matrix numbers and ``metadata``
     (e.g. the behaviour's ``spec_hash``). ``targets`` restricts the solve to a subset of the statistics'

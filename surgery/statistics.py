@@ -20,13 +20,16 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from clef_model.errors import BlazeError
 from surgery.directions import ContrastPair
+
+if TYPE_CHECKING:
+    from clef_model.runtime import Runtime
 
 FORMAT_VERSION = 1
 
@@ -134,7 +137,7 @@ def _response_ids(tokenizer, text: str) -> list[int]:
 POSITIONS = ("response", "prompt_end", "shared_response")
 
 
-def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int = 1024,
+def contrast_sequences(runtime: Runtime, pairs: Sequence[ContrastPair], max_length: int = 1024,
                        positions: str = "response") -> list[_Sequence]:
     """Token sequences for both sides of every pair, with the positions to read.
 
@@ -177,7 +180,7 @@ def contrast_sequences(runtime, pairs: Sequence[ContrastPair], max_length: int =
     return out
 
 
-def preserve_sequences(runtime, preserve: PreserveSet, max_length: int = 2048) -> list[_Sequence]:
+def preserve_sequences(runtime: Runtime, preserve: PreserveSet, max_length: int = 2048) -> list[_Sequence]:
     """Every position of the neutral chat prompts and of the encoded SystemOne requests."""
     out: list[_Sequence] = []
     for prompt in preserve.texts:
@@ -197,8 +200,8 @@ def preserve_sequences(runtime, preserve: PreserveSet, max_length: int = 2048) -
 class _Collector:
     """Forward hooks that turn activations into sums, with a batch's position bookkeeping."""
 
-    def __init__(self, runtime, targets: list[str], n_pairs: int, residual_layers: list[int],
-                 acc_dtype: torch.dtype, device: torch.device):
+    def __init__(self, runtime: Runtime, targets: list[str], n_pairs: int, residual_layers: list[int],
+                 acc_dtype: torch.dtype, device: torch.device) -> None:
         self.device, self.acc = device, acc_dtype
         self.n_pairs = n_pairs
         self.flat: torch.Tensor | None = None   # flat (b*T + t) indices of kept positions
@@ -318,7 +321,7 @@ def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, 
 
 
 def collect(
-    runtime,
+    runtime: Runtime,
     pairs: Sequence[ContrastPair],
     preserve: PreserveSet | None,
     targets: Iterable[str],

@@ -30,7 +30,11 @@ from variants.search import Point, Row, SearchResult, format_table, search
 
 if TYPE_CHECKING:
     from canaries.gate import Thresholds
-    from variants.spec import EditSettings
+    from clef_model.runtime import Runtime
+    from surgery.directions import ContrastPair
+    from surgery.patch import Patch
+    from surgery.statistics import PreserveSet, Statistics
+    from variants.spec import BehaviorSpec, EditSettings
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -101,7 +105,7 @@ def load_preserve_chat() -> list:
     return [item["prompt"] if isinstance(item, dict) else item for item in items]
 
 
-def contrast_pairs(spec) -> list:
+def contrast_pairs(spec: BehaviorSpec) -> list[ContrastPair]:
     """The spec's training pairs as ``ContrastPair``s, tagged with their direction index."""
     from surgery.directions import ContrastPair
 
@@ -111,7 +115,7 @@ def contrast_pairs(spec) -> list:
     return out
 
 
-def read_positions(pairs) -> str:
+def read_positions(pairs: list[ContrastPair]) -> str:
     """Where directions are read. When every pair contrasts two different system prompts:
     ``shared_response`` — each of the pair's responses under both system prompts, read at the response
     positions, so the contrast is the "mode" alone and the keys are answer-writing positions (on SmolLM2
@@ -122,7 +126,7 @@ def read_positions(pairs) -> str:
     return "response"
 
 
-def preserve_set(spec, runtime):
+def preserve_set(spec: BehaviorSpec, runtime: Runtime) -> PreserveSet:
     """Default preserve set: the canary decision suite (Clef releases only; requests with images are
     left out because statistics run the text model alone) + preserve_chat.json + the spec's preserve."""
     from surgery.statistics import PreserveSet
@@ -135,7 +139,7 @@ def preserve_set(spec, runtime):
     return PreserveSet(texts=load_preserve_chat() + list(spec.preserve_prompts()), requests=requests)
 
 
-def edit_settings(spec, opts: BuildOptions, pairs=None) -> EditSettings:
+def edit_settings(spec: BehaviorSpec, opts: BuildOptions, pairs: list[ContrastPair] | None = None) -> EditSettings:
     """The spec's defaults with the options given on top, parsed and validated once; ``positions="auto"``
     resolved from the pairs (:func:`read_positions`) when they are given."""
     settings = spec.defaults.updated(opts.overrides())
@@ -163,7 +167,7 @@ def search_row(point: Point, report: dict) -> Row:
     return Row(point=point, passed=bool(gate["passed"]), failed=tuple(gate["failed"]), values=values)
 
 
-def validation_evaluator(runtime, spec, settings: EditSettings, thresholds: Thresholds, *,
+def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSettings, thresholds: Thresholds, *,
                          solve_patch: Callable[[Point], Any], progress: bool = True,
                          batch_size: int = 8) -> Callable[[Point], Row]:
     """A function point → row: solve, apply in memory, run the canary on the spec's validation split
@@ -211,7 +215,7 @@ def validation_evaluator(runtime, spec, settings: EditSettings, thresholds: Thre
     return evaluate
 
 
-def loop_check_items(spec) -> list[dict]:
+def loop_check_items(spec: BehaviorSpec) -> list[dict]:
     """The loop check set: the spec's training questions (unique, last user turn kept as the whole chat),
     minus any prompt that is also a validation or held-out item. Loops only: no keywords, no effect."""
     from canaries.run import freeform_suite
@@ -282,7 +286,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     collected: dict[tuple[str, str], Any] = {}
     identities: dict[tuple[str, str], dict] = {}
 
-    def statistics(layers: str, kinds: str):
+    def statistics(layers: str, kinds: str) -> Statistics:
         """Statistics for a layer band and kinds: collected once per run (and cached on disk)."""
         if (layers, kinds) not in collected:
             collected[layers, kinds] = collect_statistics(
@@ -295,7 +299,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     weights = weights_from_runtime(runtime)
     common = {"behavior": spec.name, "spec_hash": spec.spec_hash, "spec_version": spec.version}
 
-    def solve_patch(point: Point, extra: dict | None = None):
+    def solve_patch(point: Point, extra: dict | None = None) -> Patch:
         st = statistics(point.layers, point.kinds)
         settings = SolveSettings(method=point.method, strength=float(point.strength), rank=s.rank,
                                  lam=float(point.lam), threshold=float(s.threshold))
