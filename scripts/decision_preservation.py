@@ -1,7 +1,7 @@
 """Preservation on the trained decision fixture (issue 13): verbosity edits with λ = 0, the default λ, a larger λ
 and nullspace, measured on the canary decision suite and the held-out labelled eval set.
 
-    python scripts/decision_preservation.py RELEASE WORKDIR [--strength 0.3] [--lambdas 0,1,100] [--auto]
+    python scripts/decision_preservation.py RELEASE WORKDIR [--strength 0.3] [--lambdas 0,1,100] [--null-threshold 0.1] [--auto]
 
 RELEASE is a `blaze fixture --preset decisions` folder. Each edit runs through the CLI (`blaze edit … --no-canary`,
 statistics cached between runs, so only the first collects them); the measurements run here:
@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--strength", default="0.3")
     parser.add_argument("--lambdas", default="0,1,100", help="λ values for steer (the spec's default is 1)")
+    parser.add_argument("--null-threshold", default=None,
+                        help="nullspace --threshold (the spec's 0.01 is refused on the tiny fixture: every direction)")
     parser.add_argument("--auto", action="store_true", help="also run each setting at --strength auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -67,7 +69,8 @@ def main() -> None:
     from variants.spec import load_behavior
 
     settings = [(f"steer λ={lam}", ["--lambda", lam]) for lam in args.lambdas.split(",")]
-    settings.append(("nullspace", ["--method", "nullspace"]))
+    null = ["--threshold", args.null_threshold] if args.null_threshold else []
+    settings.append((f"nullspace (threshold {args.null_threshold or 'spec'})", ["--method", "nullspace", *null]))
     strengths = [args.strength] + (["auto"] if args.auto else [])
     args.workdir.mkdir(parents=True, exist_ok=True)
 
