@@ -281,23 +281,7 @@ def solve_factors(
             else:
                 f = solvers.ablate_input(w, dirs.principal_directions(key_diffs, rank), alpha)
         else:
-            # The solve does not depend on the strength (calibration scales it), so a strength sweep
-            # solves each matrix once: the d_in × d_in systems are the expensive part at 9B scale.
-            memo_key = ("solve", name, method, rank, lam, threshold, mu, str(dev))
-            cached: solvers.Factors | None = stats.memo.get(memo_key)
-            if cached is not None:
-                f = cached
-            else:
-                cross = solvers.cross_moment(basis, pair_targets, ks.pair_means.to(dev), ks.pair_counts.to(dev))
-                cb = ks.behaviour_moment.to(dev)
-                cp = None if ks.preserve_moment is None else ks.preserve_moment.to(dev)
-                if method == "steer":
-                    f = solvers.steer(basis, cross, cb, cp, lam=lam, mu=mu)
-                else:
-                    if cp is None:
-                        raise BlazeError("nullspace needs preserved-key statistics: give a preserve set")
-                    f = solvers.nullspace(basis, cross, cb, cp, threshold=threshold, mu=mu)
-                stats.memo[memo_key] = f
+            f = _solve_matrix(stats, name, method, rank, lam, threshold, mu, dev, basis, pair_targets)
             weights_p = ks.pair_counts.to(dev).double()
             mean_target = (pair_targets.T @ (weights_p / weights_p.sum()))      # d_out
             desired = (alpha / share) * (basis.double().T @ mean_target)
@@ -306,23 +290,54 @@ def solve_factors(
             else:
                 f = solvers.calibrate(f, basis, ks.behaviour_mean.to(dev), desired)
         factors[name] = f
-        u, v = f.U, f.V
-        delta_norm = math.sqrt(max(float(torch.trace((u.T @ u) @ (v.T @ v))), 0.0))
-        entry: dict[str, Any] = {
-            "layer": layer, "kind": kind, "rank": solvers.numerical_rank(u, v), "k": int(u.shape[1]),
-            "delta_norm": delta_norm, "calibration": f.scale,
-        }
-        if w is not None:
-            norm_key = ("weight_norm", name, w.data_ptr(), tuple(w.shape))
-            if norm_key not in stats.memo:
-                stats.memo[norm_key] = float(w.double().norm())
-            entry["rel_change"] = delta_norm / max(stats.memo[norm_key], 1e-30)
-        if f.null_dim is not None:
-            entry["null_dim"] = f.null_dim
-        if kind in WRITERS:
-            entry["separation"] = layer_dirs[layer].separation
-        info[name] = entry
+        info[name] = _matrix_info(stats, name, f, w, layer_dirs[layer].separation if kind in WRITERS else None)
     return SolveResult(factors, info)
+
+
+def _solve_matrix(stats: Statistics, name: str, method: str, rank: int, lam: float, threshold: float, mu: float,
+                  dev: torch.device, basis: torch.Tensor, pair_targets: torch.Tensor) -> solvers.Factors:
+    """The uncalibrated steer/nullspace factors of one matrix, memoised on ``stats``.
+
+    The solve does not depend on the strength (calibration scales it), so a strength sweep solves each
+    matrix once: the d_in × d_in systems are the expensive part at 9B scale."""
+    memo_key = ("solve", name, method, rank, lam, threshold, mu, str(dev))
+    cached: solvers.Factors | None = stats.memo.get(memo_key)
+    if cached is not None:
+        return cached
+    ks = stats.keys[name]
+    cross = solvers.cross_moment(basis, pair_targets, ks.pair_means.to(dev), ks.pair_counts.to(dev))
+    cb = ks.behaviour_moment.to(dev)
+    cp = None if ks.preserve_moment is None else ks.preserve_moment.to(dev)
+    if method == "steer":
+        f = solvers.steer(basis, cross, cb, cp, lam=lam, mu=mu)
+    else:
+        if cp is None:
+            raise BlazeError("nullspace needs preserved-key statistics: give a preserve set")
+        f = solvers.nullspace(basis, cross, cb, cp, threshold=threshold, mu=mu)
+    stats.memo[memo_key] = f
+    return f
+
+
+def _matrix_info(stats: Statistics, name: str, f: solvers.Factors, w: torch.Tensor | None,
+                 separation: float | None) -> dict[str, Any]:
+    """The manifest's numbers for one solved matrix (``separation``: the layer's, for writers only)."""
+    layer, kind = split_name(name)
+    u, v = f.U, f.V
+    delta_norm = math.sqrt(max(float(torch.trace((u.T @ u) @ (v.T @ v))), 0.0))
+    entry: dict[str, Any] = {
+        "layer": layer, "kind": kind, "rank": solvers.numerical_rank(u, v), "k": int(u.shape[1]),
+        "delta_norm": delta_norm, "calibration": f.scale,
+    }
+    if w is not None:
+        norm_key = ("weight_norm", name, w.data_ptr(), tuple(w.shape))
+        if norm_key not in stats.memo:
+            stats.memo[norm_key] = float(w.double().norm())
+        entry["rel_change"] = delta_norm / max(stats.memo[norm_key], 1e-30)
+    if f.null_dim is not None:
+        entry["null_dim"] = f.null_dim
+    if separation is not None:
+        entry["separation"] = separation
+    return entry
 
 
 @dataclass(frozen=True)
