@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -556,45 +556,45 @@ class _Validator:
         raw = self.obj(value, "defaults", (), keys)
         if raw is None:
             return Defaults()
-        out: dict[str, Any] = {}
-        if "method" in raw:
-            out["method"] = self.choice(raw["method"], "defaults.method", METHODS)
-        if "kinds" in raw:
-            out["kinds"] = self.string_list(raw["kinds"], "defaults.kinds", non_empty=True)
-        if "layers" in raw:
-            out["layers"] = self.text(raw["layers"], "defaults.layers")
-        if "rank" in raw:
-            out["rank"] = self.number(raw["rank"], "defaults.rank", minimum=1, integer=True)
-        if "strength" in raw:
-            s = raw["strength"]
-            out["strength"] = s if s == "auto" else self.number(s, "defaults.strength", minimum=0)
-            if isinstance(out["strength"], (int, float)) and out["strength"] > STRENGTH_MAX:
-                self.fail("defaults.strength", f"must be ≤ {STRENGTH_MAX:g}, got {s}")
-        if "strength_grid" in raw:
-            grid = raw["strength_grid"]
-            if not isinstance(grid, list) or not grid:
-                self.fail("defaults.strength_grid", f"must be a non-empty list of numbers, got {_kind(grid)}")
-            else:
-                out["strength_grid"] = tuple(
-                    self.number(g, f"defaults.strength_grid[{i}]", minimum=0) for i, g in enumerate(grid))
-                for i, g in enumerate(out["strength_grid"]):
-                    if g is not None and g > STRENGTH_MAX:
-                        self.fail(f"defaults.strength_grid[{i}]", f"must be ≤ {STRENGTH_MAX:g}, got {g}")
-        if "lambda" in raw:
-            out["lam"] = self.number(raw["lambda"], "defaults.lambda", minimum=0)
-        if "threshold" in raw:
-            out["threshold"] = self.number(raw["threshold"], "defaults.threshold", minimum=0)
-        if "max_new_tokens" in raw:
-            out["max_new_tokens"] = self.number(raw["max_new_tokens"], "defaults.max_new_tokens", minimum=1,
-                                                integer=True)
-        if "budget" in raw:
-            out["budget"] = self.number(raw["budget"], "defaults.budget", minimum=1, integer=True)
-        if "positions" in raw:
-            out["positions"] = self.choice(raw["positions"], "defaults.positions", POSITIONS)
+        # (JSON key, EditSettings field, parser), in the order problems are reported
+        parsers: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
+            ("method", "method", lambda v: self.choice(v, "defaults.method", METHODS)),
+            ("kinds", "kinds", lambda v: self.string_list(v, "defaults.kinds", non_empty=True)),
+            ("layers", "layers", lambda v: self.text(v, "defaults.layers")),
+            ("rank", "rank", lambda v: self.number(v, "defaults.rank", minimum=1, integer=True)),
+            ("strength", "strength", self.strength),
+            ("strength_grid", "strength_grid", self.strength_grid),
+            ("lambda", "lam", lambda v: self.number(v, "defaults.lambda", minimum=0)),
+            ("threshold", "threshold", lambda v: self.number(v, "defaults.threshold", minimum=0)),
+            ("max_new_tokens", "max_new_tokens",
+             lambda v: self.number(v, "defaults.max_new_tokens", minimum=1, integer=True)),
+            ("budget", "budget", lambda v: self.number(v, "defaults.budget", minimum=1, integer=True)),
+            ("positions", "positions", lambda v: self.choice(v, "defaults.positions", POSITIONS)),
+        )
+        out = {name: parse(raw[key]) for key, name, parse in parsers if key in raw}
         if self.errors or any(v is None for v in out.values()) or any(
                 isinstance(v, tuple) and None in v for v in out.values()):
             return Defaults()  # errors recorded; the value is never returned to a caller
         return Defaults(**out)
+
+    def strength(self, value: Any) -> Any:
+        """``defaults.strength``: "auto" or a number in [0, STRENGTH_MAX] (None after recording an error)."""
+        strength = value if value == "auto" else self.number(value, "defaults.strength", minimum=0)
+        if isinstance(strength, (int, float)) and strength > STRENGTH_MAX:
+            self.fail("defaults.strength", f"must be ≤ {STRENGTH_MAX:g}, got {value}")
+        return strength
+
+    def strength_grid(self, grid: Any) -> tuple | None:
+        """``defaults.strength_grid``: a non-empty list of numbers in [0, STRENGTH_MAX]; None when it is not a
+        non-empty list (an entry that fails is None in the tuple; every failure is recorded)."""
+        if not isinstance(grid, list) or not grid:
+            self.fail("defaults.strength_grid", f"must be a non-empty list of numbers, got {_kind(grid)}")
+            return None
+        values = tuple(self.number(g, f"defaults.strength_grid[{i}]", minimum=0) for i, g in enumerate(grid))
+        for i, g in enumerate(values):
+            if g is not None and g > STRENGTH_MAX:
+                self.fail(f"defaults.strength_grid[{i}]", f"must be ≤ {STRENGTH_MAX:g}, got {g}")
+        return values
 
     def gate(self, value: Any) -> Thresholds:
         raw = self.obj(value, "gate", (), tuple(THRESHOLD_FIELDS))
