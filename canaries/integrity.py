@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,13 +36,17 @@ from clef_model.files import (
 )
 from clef_model.manifest import BaseInfo, Manifest, find_manifest
 
+if TYPE_CHECKING:
+    from clef_model.checkpoint import CheckpointReader
+    from clef_model.release import Release
+
 # Side files a variant may legitimately differ in: its own manifest/delta/card and the shard index
 # (a re-sharded checkpoint has another index; tensors are compared one by one instead).
 VARIANT_OWN_FILES = {MANIFEST_FILE, PATCH_FILE, CARD_FILE, INDEX_FILE, GITATTRIBUTES}
 UNIT_ROUNDOFF = {"BF16": 2.0**-8, "F16": 2.0**-11, "F32": 2.0**-24, "F64": 2.0**-53}
 
 
-def _release(ref: Any):
+def _release(ref: Any) -> Release:
     from clef_model.release import Release, resolve_release
 
     return ref if isinstance(ref, Release) else resolve_release(ref)
@@ -144,16 +149,9 @@ def _manifest_base_mismatch(manifest: Manifest | None, base) -> str | None:
     return None
 
 
-def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cpu", progress: bool = False) -> dict:
-    """Compare a variant release with its base (see module doc). Raises BlazeError for a variant of another base."""
-    from clef_model.checkpoint import CheckpointReader, sha256_file
-
-    variant, base = _release(variant), _release(base)
-    manifest = find_manifest(Path(variant.path))
-    mismatch = _manifest_base_mismatch(manifest, base)
-    if mismatch:
-        raise BlazeError(f"{variant.ref} is a variant of another base: {mismatch}; pass its own base with --against")
-    v_reader, b_reader = CheckpointReader(Path(variant.path)), CheckpointReader(Path(base.path))
+def _check_same_layout(variant: Release, base: Release, v_reader: CheckpointReader,
+                       b_reader: CheckpointReader) -> set[str]:
+    """The base's tensor names; BlazeError when the variant's names, shapes or dtypes differ from the base's."""
     v_names, b_names = set(v_reader.names()), set(b_reader.names())
     if v_names != b_names:
         missing, extra = sorted(b_names - v_names), sorted(v_names - b_names)
@@ -167,22 +165,13 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
                 f"{variant.ref} is not a variant of {base.ref}: tensor {name} is {v_reader.dtype(name)} "
                 f"{tuple(v_reader.shape(name))} there but {b_reader.dtype(name)} {tuple(b_reader.shape(name))} in "
                 "the base; pass the base it was made from with --against")
+    return b_names
 
-    files: dict[str, dict[str, Any]] = {}
-    base_side = set(base.side_files())
-    added = sorted(name for name in set(variant.side_files()) - base_side if name not in VARIANT_OWN_FILES)
-    for name in sorted(base_side):
-        if name in VARIANT_OWN_FILES:
-            continue
-        b_path, v_path = Path(base.path) / name, Path(variant.path) / name
-        b_hash = sha256_file(b_path)
-        v_hash = sha256_file(v_path) if v_path.is_file() else None
-        files[name] = {"base": b_hash, "variant": v_hash, "equal": b_hash == v_hash}
-    joint_head = files.get(JOINT_HEAD)
-    release_code = files.get(RELEASE_CODE)
 
-    names = sorted(b_names)
-    iterator = names
+def _changed_tensors(names: list[str], v_reader: CheckpointReader, b_reader: CheckpointReader,
+                     device: str | torch.device, progress: bool) -> tuple[list[dict[str, Any]], int]:
+    """(one entry per tensor whose bytes differ: relative change and numerical rank, the number identical)."""
+    iterator: Iterable[str] = names
     if progress:
         from tqdm import tqdm
 
@@ -205,6 +194,35 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
         else:
             entry["rank"] = None
         changed.append(entry)
+    return changed, identical
+
+
+def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cpu", progress: bool = False) -> dict:
+    """Compare a variant release with its base (see module doc). Raises BlazeError for a variant of another base."""
+    from clef_model.checkpoint import CheckpointReader, sha256_file
+
+    variant, base = _release(variant), _release(base)
+    manifest = find_manifest(Path(variant.path))
+    mismatch = _manifest_base_mismatch(manifest, base)
+    if mismatch:
+        raise BlazeError(f"{variant.ref} is a variant of another base: {mismatch}; pass its own base with --against")
+    v_reader, b_reader = CheckpointReader(Path(variant.path)), CheckpointReader(Path(base.path))
+    b_names = _check_same_layout(variant, base, v_reader, b_reader)
+
+    files: dict[str, dict[str, Any]] = {}
+    base_side = set(base.side_files())
+    added = sorted(name for name in set(variant.side_files()) - base_side if name not in VARIANT_OWN_FILES)
+    for name in sorted(base_side):
+        if name in VARIANT_OWN_FILES:
+            continue
+        b_path, v_path = Path(base.path) / name, Path(variant.path) / name
+        b_hash = sha256_file(b_path)
+        v_hash = sha256_file(v_path) if v_path.is_file() else None
+        files[name] = {"base": b_hash, "variant": v_hash, "equal": b_hash == v_hash}
+    joint_head = files.get(JOINT_HEAD)
+    release_code = files.get(RELEASE_CODE)
+
+    changed, identical = _changed_tensors(sorted(b_names), v_reader, b_reader, device, progress)
 
     problems = []
     if base.kind == "clef" or variant.kind == "clef":
@@ -226,7 +244,7 @@ def check_integrity(variant: Any, base: Any, *, device: str | torch.device = "cp
         "release_code_sha256": release_code,
         "side_files": files,
         "added_files": added,  # files only the variant has (its canary report, model card, …): allowed
-        "tensors": len(names),
+        "tensors": len(b_names),
         "identical_tensors": identical,
         "changed_tensors": changed,
     }
