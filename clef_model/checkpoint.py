@@ -163,25 +163,31 @@ def read_header(path: Path) -> tuple[dict, int]:
     data_start = 8 + header_len
     data_size = size - data_start
     for name, entry in header.items():
-        if name == "__metadata__":
-            if entry is not None and not isinstance(entry, dict):
-                raise corrupt("__metadata__ is not an object")
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise corrupt(f"entry {name!r} lacks dtype/shape/data_offsets") from None
-        if dtype not in ITEMSIZE:
-            raise corrupt(f"tensor {name!r} has unknown dtype {dtype!r}")
-        if not all(isinstance(dim, int) and dim >= 0 for dim in shape):
-            raise corrupt(f"tensor {name!r} has a bad shape {list(shape)}")
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-            raise corrupt(f"tensor {name!r} has bad data offsets {[begin, end]}")
-        if end - begin != tensor_nbytes(dtype, shape):
-            raise corrupt(f"tensor {name!r}: {end - begin} bytes for {dtype}{list(shape)}")
-        if end > data_size:
-            raise corrupt(f"truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section")
+        why = _header_entry_problem(name, entry, data_size)
+        if why is not None:
+            raise corrupt(why)
     return header, data_start
+
+
+def _header_entry_problem(name: str, entry: Any, data_size: int) -> str | None:
+    """What is wrong with one entry of a safetensors header (None: nothing), given the data section's size."""
+    if name == "__metadata__":
+        return "__metadata__ is not an object" if entry is not None and not isinstance(entry, dict) else None
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        return f"entry {name!r} lacks dtype/shape/data_offsets"
+    if dtype not in ITEMSIZE:
+        return f"tensor {name!r} has unknown dtype {dtype!r}"
+    if not all(isinstance(dim, int) and dim >= 0 for dim in shape):
+        return f"tensor {name!r} has a bad shape {list(shape)}"
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+        return f"tensor {name!r} has bad data offsets {[begin, end]}"
+    if end - begin != tensor_nbytes(dtype, shape):
+        return f"tensor {name!r}: {end - begin} bytes for {dtype}{list(shape)}"
+    if end > data_size:
+        return f"truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section"
+    return None
 
 
 class CheckpointReader:
