@@ -229,6 +229,11 @@ class _Collector:
         assert self.flat is not None, "the kept positions are set before a forward pass is captured"
         return x.reshape(-1, x.shape[-1]).index_select(0, self.flat).to(dtype or self.acc)
 
+    def _pair_rows(self) -> torch.Tensor:
+        """Each kept position's row of the per-pair sums: side · n_pairs + pair."""
+        assert self.side is not None and self.pair is not None, "set with the kept positions"
+        return self.side * self.n_pairs + self.pair
+
     def _moment(self, rows32: torch.Tensor) -> torch.Tensor:
         """This batch's Σ k kᵀ: the product runs in float32 (fast), the running sum is kept in ``acc``."""
         return (rows32.T @ rows32).to(self.acc)
@@ -241,7 +246,7 @@ class _Collector:
             rows = self._rows(hidden)
             if layer not in self.res_sum:
                 self.res_sum[layer] = torch.zeros(2 * self.n_pairs, rows.shape[1], dtype=self.acc, device=self.device)
-            self.res_sum[layer].index_add_(0, self.side * self.n_pairs + self.pair, rows)
+            self.res_sum[layer].index_add_(0, self._pair_rows(), rows)
         return hook
 
     def _key_hook(self, name: str):
@@ -260,7 +265,7 @@ class _Collector:
                 acc["b_sum"] += rows.sum(0)
                 acc["b_mom"] += self._moment(rows32)
                 acc["b_n"] += rows.shape[0]
-                acc["pair_sum"].index_add_(0, self.side * self.n_pairs + self.pair, rows)
+                acc["pair_sum"].index_add_(0, self._pair_rows(), rows)
             else:
                 acc["p_mom"] += self._moment(rows32)
                 acc["p_n"] += rows.shape[0]
