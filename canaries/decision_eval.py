@@ -248,7 +248,7 @@ def metrics(records: list[EvalRecord], probs: Probabilities) -> DecisionMetrics:
     f1s = [cf.macro_f1([preds[i] for i in idx], [targets[i] for i in idx], len(vectors[idx[0]]))
            for idx in by_question.values()]
     confidences = [max(p) for p in vectors]
-    coverage = cf.coverage_at_precision(confidences, [p == t for p, t in zip(preds, targets)], TARGET_PRECISION)
+    coverage = cf.coverage_at_precision(confidences, [p == t for p, t in zip(preds, targets, strict=False)], TARGET_PRECISION)
     return DecisionMetrics(questions=len(rows), accuracy=cf.accuracy(preds, targets),
                            macro_f1=sum(f1s) / len(f1s), nll=cf.nll(vectors, targets),
                            brier=cf.brier_score(vectors, targets), ece=cf.ece(vectors, targets),
@@ -280,7 +280,7 @@ def compare(source: str, records: list[EvalRecord], base: Probabilities, variant
 
     max_delta, mean_delta, flips = _drift(records, base, variant)
     examples = []
-    for record, pb, pv in list(zip(records, base, variant))[:3]:
+    for record, pb, pv in list(zip(records, base, variant, strict=False))[:3]:
         name = record.request.get("id", f"line {record.line}")
         examples.append(f"{name}: " + "; ".join(describe(q, qid, pb[qid], pv[qid])
                                                 for qid, q in record.request["questions"].items()))

@@ -156,9 +156,9 @@ def _batch_loss(logits: Any, chunk: list[int], encoded: list, records: list, set
     from clef_finetune.losses import question_loss
 
     losses = []
-    for record_logits, index in zip(logits, chunk):
+    for record_logits, index in zip(logits, chunk, strict=False):
         record = records[index]
-        for question, question_logits, target in zip(encoded[index][0].questions, record_logits, encoded[index][1]):
+        for question, question_logits, target in zip(encoded[index][0].questions, record_logits, encoded[index][1], strict=False):
             loss, _ = question_loss(question_logits, target, record["questions"][question.question_id]["type"],
                                     smoothing, settings.brier_weight, 0.0)
             losses.append(loss)

@@ -161,7 +161,7 @@ def _effect(base, variant, layers, train, measure, collect_statistics, layer_dir
     shifts = []
     for layer in layers:
         r = directions[layer].basis[:, 0]
-        shift = torch.cat([(a - b)[s.positions] for a, b, s in zip(edited[layer], original[layer], seqs)]) @ r
+        shift = torch.cat([(a - b)[s.positions] for a, b, s in zip(edited[layer], original[layer], seqs, strict=False)]) @ r
         shifts.append(shift.mean().item())
     return sum(shifts) / len(shifts)
 
