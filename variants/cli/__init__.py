@@ -151,10 +151,8 @@ def main(debug: bool) -> None:
     """
 
 
-from variants import cli_canary  # (moving into this package next)
-from variants.cli import apply, behaviors, edit, fixture, generate, publish, systemone
+from variants.cli import apply, behaviors, canary, edit, fixture, generate, publish, systemone
 
-for _command in (apply.apply, behaviors.behaviors, edit.edit, fixture.fixture, generate.generate, publish.publish,
-                 systemone.systemone):
+for _command in (apply.apply, behaviors.behaviors, canary.canary, edit.edit, fixture.fixture, generate.generate,
+                 publish.publish, systemone.systemone):
     main.add_command(_command)
-cli_canary.register(main)

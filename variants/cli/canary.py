@@ -9,15 +9,19 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from canaries.gate import Thresholds
-from variants.cli_options import dataclass_options
+from variants.cli.options import dataclass_options
+
+if TYPE_CHECKING:
+    from clef_model.release import Release
+    from clef_model.runtime import Runtime
 
 
-def _fits_together(variant, base, device: str) -> bool:
+def _fits_together(variant: Release, base: Release, device: str) -> bool:
     """Whether both checkpoints fit in memory at once (GPU: free memory; CPU: available RAM), with headroom."""
     from clef_model.checkpoint import CheckpointReader
 
@@ -79,7 +83,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     for suite_file in suite or ():
         kind, items = load_custom_suite(suite_file)
         if kind == "freeform":
-            behavior_items, general = (behavior_items if not general else []) + \
+            behavior_items, general = ((behavior_items or []) if not general else []) + \
                 [dict(item, source="behavior") for item in items], False
         else:
             decision_requests = (decision_requests or []) + items
@@ -95,12 +99,12 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
         click.echo(f"checking integrity of {variant_release.ref} against {base_release.ref} …", err=True)
         # the rank of each changed tensor is an SVD: on the GPU it takes milliseconds instead of ~1 s per matrix
         integrity_result = check_integrity(variant_release, base_release, progress=True, device=device)
-    common = dict(freeform_prompts=freeform, decision_requests=decision_requests, thresholds=thresholds,
+    common: dict[str, Any] = dict(freeform_prompts=freeform, decision_requests=decision_requests, thresholds=thresholds,
                   quality=quality, max_new_tokens=max_new_tokens, integrity=integrity_result, progress=True,
                   batch_size=batch_size, damage_tokens=damage_tokens,
                   prompted_system=spec.wanted_system_prompt() if spec and prompted else None)
 
-    def load(release, label):
+    def load(release: Release, label: str) -> Runtime:
         click.echo(f"loading {label} {release.ref} on {device} …", err=True)
         return Runtime.load(release, device=device, trust_release_code=trust_release_code)
 
@@ -116,6 +120,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                                                                  f"{device}", base_is_clef=base_release.kind == "clef",
                                 **common)
     if eval_records is not None:
+        assert decisions_eval is not None  # eval_records come from it
         from canaries.decision_eval import run_eval
 
         click.echo(f"labelled decision eval: {len(eval_records)} records from {decisions_eval} …", err=True)
@@ -132,54 +137,53 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     return report
 
 
-def register(group: click.Group) -> None:
-    """Add `blaze canary` to the blaze group."""
+@click.command("canary")
+@click.argument("variant")
+@click.option("--against", "against", metavar="BASE", default=None,
+              help="The base release (folder, Hub id or 'smollm2'). Default: the base in the variant's manifest, "
+                   "else Cloudflare/clef-flash.")
+@click.option("--behavior", default=None, help="Behaviour name or spec file: its held-out prompts, quality check "
+              "and gate thresholds. Default: the behaviour named in the variant's manifest.")
+@click.option("--suite", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="Custom suite JSONL (repeatable): chat prompts {\"prompt\", \"keywords\"?} replace the "
+                   "behaviour's and the general prompts; SystemOne requests {\"model\", \"state\", \"questions\", "
+                   "\"labels\"?} replace the decision suite.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full report as JSON (keys freeform, damage, decisions, integrity, gate).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the report as Markdown (the model card reuses it).")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+              help="Tokens per free-form answer. Default: the behaviour's, else 96.")
+@click.option("--damage-tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="Tokens of the base's greedy continuation of each neutral prompt scored for per-token KL.")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
+              help="Prompts (or requests) per batch; fewer decode steps with larger batches.")
+@click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
+@click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
+              help="Both models in memory at once, or one after the other with the base's outputs cached "
+                   "($BLAZE_CACHE/canary). auto: together when both fit.")
+@click.option("--no-integrity", is_flag=True, help="Skip the integrity check (e.g. a variant that is not a folder).")
+@click.option("--no-prompted", is_flag=True,
+              help="Skip the prompted ceiling (the base asked with the behaviour's wanted system prompt).")
+@click.option("--trust-release-code", is_flag=True,
+              help="Run release code whose SHA-256 is not on blaze's allowlist.")
+@click.option("--decisions-eval", "decisions_eval", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Labelled decision eval (JSONL: SystemOne requests plus \"labels\" {question: option}): "
+                   "accuracy, macro-F1, NLL, Brier, ECE, coverage at 99 % precision and confidence of both "
+                   "models, |Δp|, flips and the noise floor, under decisions.eval.")
+@dataclass_options(Thresholds)
+def canary(variant: str, against: str | None, behavior: str | None, suite: tuple[Path, ...], json_path: Path | None,
+           markdown_path: Path | None, max_new_tokens: int | None, damage_tokens: int, batch_size: int,
+           device: str | None, mode: str, no_integrity: bool, no_prompted: bool, trust_release_code: bool,
+           decisions_eval: Path | None, **overrides: Any) -> None:
+    """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
 
-    @click.argument("variant")
-    @click.option("--against", "against", metavar="BASE", default=None,
-                  help="The base release (folder, Hub id or 'smollm2'). Default: the base in the variant's manifest, "
-                       "else Cloudflare/clef-flash.")
-    @click.option("--behavior", default=None, help="Behaviour name or spec file: its held-out prompts, quality check "
-                  "and gate thresholds. Default: the behaviour named in the variant's manifest.")
-    @click.option("--suite", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
-                  help="Custom suite JSONL (repeatable): chat prompts {\"prompt\", \"keywords\"?} replace the "
-                       "behaviour's and the general prompts; SystemOne requests {\"model\", \"state\", \"questions\", "
-                       "\"labels\"?} replace the decision suite.")
-    @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                  help="Write the full report as JSON (keys freeform, damage, decisions, integrity, gate).")
-    @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                  help="Write the report as Markdown (the model card reuses it).")
-    @click.option("--max-new-tokens", type=click.IntRange(1), default=None,
-                  help="Tokens per free-form answer. Default: the behaviour's, else 96.")
-    @click.option("--damage-tokens", type=click.IntRange(1), default=32, show_default=True,
-                  help="Tokens of the base's greedy continuation of each neutral prompt scored for per-token KL.")
-    @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
-                  help="Prompts (or requests) per batch; fewer decode steps with larger batches.")
-    @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
-    @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
-                  help="Both models in memory at once, or one after the other with the base's outputs cached "
-                       "($BLAZE_CACHE/canary). auto: together when both fit.")
-    @click.option("--no-integrity", is_flag=True, help="Skip the integrity check (e.g. a variant that is not a folder).")
-    @click.option("--no-prompted", is_flag=True,
-                  help="Skip the prompted ceiling (the base asked with the behaviour's wanted system prompt).")
-    @click.option("--trust-release-code", is_flag=True,
-                  help="Run release code whose SHA-256 is not on blaze's allowlist.")
-    @click.option("--decisions-eval", "decisions_eval", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                  help="Labelled decision eval (JSONL: SystemOne requests plus \"labels\" {question: option}): "
-                       "accuracy, macro-F1, NLL, Brier, ECE, coverage at 99 % precision and confidence of both "
-                       "models, |Δp|, flips and the noise floor, under decisions.eval.")
-    def canary(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, damage_tokens, batch_size,
-               device, mode, no_integrity, no_prompted, trust_release_code, decisions_eval, **overrides):
-        """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
-
-        \b
-        Exit codes: 0 the gate passed, 1 the gate failed, 2 bad usage or input.
-        Example:
-          blaze canary ./variant --against Cloudflare/clef-flash --json report.json --markdown report.md
-        """
-        report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
-                             trust_release_code, batch_size, mode, not no_integrity, overrides,
-                             damage_tokens=damage_tokens, prompted=not no_prompted, decisions_eval=decisions_eval)
-        sys.exit(0 if report["gate"]["passed"] else 1)
-
-    group.command("canary")(dataclass_options(Thresholds)(canary))
+    \b
+    Exit codes: 0 the gate passed, 1 the gate failed, 2 bad usage or input.
+    Example:
+      blaze canary ./variant --against Cloudflare/clef-flash --json report.json --markdown report.md
+    """
+    report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
+                         trust_release_code, batch_size, mode, not no_integrity, overrides,
+                         damage_tokens=damage_tokens, prompted=not no_prompted, decisions_eval=decisions_eval)
+    sys.exit(0 if report["gate"]["passed"] else 1)
