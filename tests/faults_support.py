@@ -15,8 +15,9 @@ PAIRS = [
 ]
 
 
-def small_spec(folder: Path) -> Path:
-    """A tiny behaviour spec for `blaze edit` on the tiny fixture (fixed strength, no gate on the effect)."""
+def small_spec(folder: Path, **defaults: object) -> Path:
+    """A tiny behaviour spec for `blaze edit` on the tiny fixture (fixed strength 0.1 unless `defaults` say
+    otherwise, no gate on the effect); also used by tests/test_build.py."""
     spec = {
         "name": "tiny-concise", "version": 1, "description": "Test behaviour: shorter answers.",
         "directions": [{"name": "concise",
@@ -26,7 +27,8 @@ def small_spec(folder: Path) -> Path:
         "preserve": ["Write a haiku about rain."],
         "quality": "keywords",
         "defaults": {"method": "steer", "kinds": ["writers"], "layers": "2-4", "rank": 1, "strength": 0.1,
-                     "strength_grid": [0.05, 0.1], "lambda": 1.0, "threshold": 0.01, "max_new_tokens": 8},
+                     "strength_grid": [0.05, 0.1], "lambda": 1.0, "threshold": 0.01, "max_new_tokens": 8,
+                     **defaults},
         "gate": {"min_effect": 0.0, "effect": "none"},
     }
     path = Path(folder) / "tiny-concise.json"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import faults_support
 import pytest
 import torch
 from click.testing import CliRunner
@@ -14,33 +15,10 @@ from surgery.manifest import read_manifest, verify_manifest
 from variants import build as build_mod
 from variants.build import BuildOptions, build_variant
 
-PAIRS = [
-    {"prompt": "What is the boiling point of water?", "wanted": "100 °C.",
-     "unwanted": "Great question! Water boils at 100 degrees Celsius at sea level, or 212 °F."},
-    {"prompt": "How many legs does a spider have?", "wanted": "Eight.",
-     "unwanted": "Spiders are arachnids, and like all arachnids they have eight legs in total."},
-    {"prompt": "Who wrote Hamlet?", "wanted": "Shakespeare.",
-     "unwanted": "Hamlet was written by William Shakespeare around 1600; it is a famous tragedy."},
-]
-
 
 def small_spec(tmp_path, **defaults):
-    spec = {
-        "name": "tiny-concise", "version": 1, "description": "Test behaviour: shorter answers.",
-        "directions": [{"name": "concise",
-                        "pairs": {"train": PAIRS,
-                                  "validation": [{"prompt": "What is 2+2?", "keywords": ["4", "four"]}]}}],
-        "heldout": [{"prompt": "What is the capital of France?", "keywords": ["Paris"]}],
-        "preserve": ["Write a haiku about rain."],
-        "quality": "keywords",
-        "defaults": {"method": "steer", "kinds": ["writers"], "layers": "2-4", "rank": 1, "strength": 0.2,
-                     "strength_grid": [0.05, 0.1], "lambda": 1.0, "threshold": 0.01, "max_new_tokens": 8,
-                     **defaults},
-        "gate": {"min_effect": 0.0, "effect": "none"},
-    }
-    path = tmp_path / "tiny-concise.json"
-    path.write_text(json.dumps(spec))
-    return path
+    """The fault suites' tiny spec (tests/faults_support.py) at strength 0.2 unless `defaults` say otherwise."""
+    return faults_support.small_spec(tmp_path, **{"strength": 0.2, **defaults})
 
 
 @pytest.fixture(scope="module")
