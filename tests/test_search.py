@@ -189,3 +189,50 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
     weaker = evaluate(START.__class__(0.3, "steer", 1.0, "a", "w"))
     assert weaker.passed and weaker.passes == 1                 # covered by the checked 0.4
     assert [k for k, _ in calls].count("search-loop-check") == 2
+
+
+def test_target_effect_takes_the_weakest_passing_point_that_reaches_it():
+    """With a target, the search stops stepping up once a passing point reaches it, and chooses that point:
+    the old rule (largest effect) kept bisecting toward the damage bound."""
+    evaluate, calls = model(effect_per_unit=0.8, damage_at=1.6)      # 0.4 → 0.32 (short of 0.4), 0.8 → 0.64
+    result = search(evaluate, START, budget=8, min_effect=0.25, max_strength=10.0, target_effect=0.4)
+    assert result.chosen is not None and result.chosen.effect is not None
+    assert result.chosen.effect >= 0.4
+    # no stronger point was tried after the first one at the target
+    assert result.rows[-1] is result.chosen
+    assert "reached the target effect 0.4" in result.stopped
+    old = search(model(effect_per_unit=0.8, damage_at=1.6)[0], START, budget=8, min_effect=0.25, max_strength=10.0)
+    assert old.chosen is not None and old.chosen.point.strength > result.chosen.point.strength
+    assert result.passes < old.passes
+
+
+def test_target_effect_unreached_falls_back_to_the_largest_effect_and_tries_alternatives():
+    """Damage arrives before the target: the largest passing effect is chosen, after the alternatives ran
+    (one of them may reach the target)."""
+    evaluate, _ = model(effect_per_unit=0.5, damage_at=0.7, lam_relief=4.0)   # λ ×10 moves damage to 2.8
+    result = search(evaluate, START, budget=14, min_effect=0.25, max_strength=10.0, target_effect=0.6,
+                    alternatives=[("lambda x10", {"lam": 10.0})])
+    assert result.chosen is not None
+    assert result.chosen.point.lam == 10.0 and result.chosen.effect is not None and result.chosen.effect >= 0.6
+    assert {r.stage for r in result.rows} == {"strength", "lambda x10"}
+    assert "lambda x10" in result.stopped
+
+
+def test_alternative_may_name_its_own_start_strength():
+    evaluate, calls = model(effect_per_unit=0.1, damage_at=100.0)
+    with pytest.raises(NoPassingPoint):
+        search(evaluate, START, budget=3, min_effect=0.25, max_strength=0.5,
+               alternatives=[("other scale", {"method": "other", "strength": 0.05})])
+    assert [c.method for c in calls].count("other") >= 1
+    assert next(c for c in calls if c.method == "other").strength == 0.05
+
+
+def test_best_row_with_target():
+    def row(strength: float, effect: float, failed: tuple[str, ...] = ()) -> Row:
+        return Row(point=Point(strength, "steer", 1.0, "0.3-0.8", "writers"), passed=not failed, failed=failed,
+                   values={"effect": effect})
+    rows = [row(0.4, 0.43), row(0.8, 0.69, ("quality",)), row(0.57, 0.57), row(0.67, 0.64)]
+    assert best_row(rows).point.strength == 0.67                    # no target: largest effect
+    assert best_row(rows, 0.4).point.strength == 0.4                # target: weakest that reaches it
+    assert best_row(rows, 0.6).point.strength == 0.67
+    assert best_row(rows, 0.9).point.strength == 0.67               # unreached: largest effect

@@ -281,8 +281,9 @@ def _method_section(variant_dir: Path, manifest: Manifest | None, spec_name: str
         if search:  # the adaptive search (variants/search.py, docs/METHOD.md "Strength search")
             out.append(f"- Settings chosen automatically by a search of {len(sweep)} points ({search.get('passes')} "
                        f"of {search.get('budget')} generation passes; {search.get('stopped')}): "
-                       "the passing point with the largest effect on the spec's validation split, passing points "
-                       "also checked for new loops on its training questions (never its held-out canary prompts):")
+                       + _choice_rule(search.get("target_effect"))
+                       + " on the spec's validation split, passing points also checked for new loops on its "
+                       "training questions (never its held-out canary prompts):")
         else:
             out.append(f"- Strength chosen automatically: the strongest of {len(sweep)} grid points that passed "
                        "the canary gate on the spec's validation split (never its held-out canary prompts):")
@@ -290,6 +291,14 @@ def _method_section(variant_dir: Path, manifest: Manifest | None, spec_name: str
         out += _sweep_table(sweep, edit.strength)
     out.append("")
     return out
+
+
+def _choice_rule(target: Any) -> str:
+    """How the search chose, in words (variants/search.py, "Choice")."""
+    if isinstance(target, (int, float)) and not isinstance(target, bool) and target > 0:
+        return (f"the weakest passing point that reached the target effect {target:g} (or, if none did, the "
+                "passing point with the largest effect)")
+    return "the passing point with the largest effect"
 
 
 def _sweep_table(sweep: Sequence[Mapping[str, Any]], chosen: float | None) -> list[str]:

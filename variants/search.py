@@ -25,11 +25,14 @@ among them): any new loop, run to the token limit or empty answer beyond the gat
 one that passed the check (damage grows with strength), so the check runs once per new strongest pass.
 It costs a second generation pass for those points (counted in the budget).
 
-Choice: among the points that passed, the one with the largest measured effect on the validation split
-(with ``effect: none``, the strongest); ties go to the weaker edit. A point that passes the gate may
-still damage more than a weaker one, but the gate's bounds are the contract: within them, the user asked
-for the behaviour. Every point, with its settings, effect, damage figures and verdict, is a row of the
-search table (manifest ``edit.search``, the card, stderr).
+Choice: with a *target effect* (the spec's ``target_effect``, e.g. a 40 % length cut for verbosity), the
+search aims at it and takes the **weakest** passing point that reaches it: a stronger edit buys no more of
+what was asked and only adds damage (on SmolLM2 the strongest passing verbosity point, 0.67, looped once on
+the held-out prompts where the weaker 0.4, already past the target, did not). Once a setting has a passing
+point at the target, it stops stepping up. Without a target (or when no passing point reaches it), the
+passing point with the largest measured effect (with ``effect: none``, the strongest); ties go to the weaker
+edit. Every point, with its settings, effect, damage figures and verdict, is a row of the search table
+(manifest ``edit.search``, the card, stderr).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class SearchResult:
     chosen: Row | None
     budget: int
     stopped: str
+    target_effect: float = 0.0
 
     @property
     def passes(self) -> int:
@@ -132,7 +136,8 @@ class SearchResult:
         """The manifest's ``edit.search`` section."""
         chosen = None if self.chosen is None else {**dataclasses.asdict(self.chosen.point),
                                                     "row": self.rows.index(self.chosen)}
-        return {"budget": self.budget, "passes": self.passes, "stopped": self.stopped, "chosen": chosen,
+        return {"budget": self.budget, "passes": self.passes, "stopped": self.stopped,
+                "target_effect": self.target_effect, "chosen": chosen,
                 "rows": [r.to_dict() for r in self.rows]}
 
 
@@ -144,18 +149,41 @@ def spent(rows: Iterable[Row]) -> int:
     return sum(r.passes for r in rows)
 
 
-def best_row(rows: Iterable[Row]) -> Row | None:
-    """The passing row with the largest effect (strength when no effect is measured); ties → weaker edit."""
+def _setting(point: Point) -> tuple:
+    return (point.method, point.lam, point.layers, point.kinds)
+
+
+def reached(row: Row, target_effect: float) -> bool:
+    """Whether ``row`` passed and its measured effect reaches a (positive) target."""
+    return target_effect > 0 and row.passed and row.effect is not None and row.effect >= target_effect
+
+
+def best_row(rows: Iterable[Row], target_effect: float = 0.0) -> Row | None:
+    """The chosen row (module docstring, "Choice"): the weakest passing row of the first setting that reached
+    ``target_effect``; else the passing row with the largest effect (strength when no effect is measured),
+    ties → weaker edit."""
+    rows = list(rows)
     passing = [r for r in rows if r.passed]
     if not passing:
         return None
+    at_target = [r for r in passing if reached(r, target_effect)]
+    if at_target:
+        order = {}
+        for r in rows:
+            order.setdefault(_setting(r.point), len(order))
+        return min(at_target, key=lambda r: (order[_setting(r.point)], r.point.strength))
     return max(passing, key=lambda r: (r.effect if r.effect is not None else r.point.strength,
                                        -r.point.strength))
 
 
-def next_strength(rows: list[Row], min_effect: float, max_strength: float) -> float | None:
+def next_strength(rows: list[Row], min_effect: float, max_strength: float,
+                  target_effect: float = 0.0) -> float | None:
     """The next strength to try given the rows of one setting (same method/λ/layers/kinds), or None when
-    the search of that setting is done (bracketed, or at the strength cap with no damage seen)."""
+    the search of that setting is done (a passing point reached the target, bracketed, or at the strength
+    cap with no damage seen). Steps aim at the larger of ``min_effect`` and ``target_effect``."""
+    if any(reached(r, target_effect) for r in rows):
+        return None
+    aim = max(min_effect, target_effect)
     clean = [r for r in rows if not r.damaged]
     damaged = [r for r in rows if r.damaged]
     low = max((r.point.strength for r in clean), default=0.0)
@@ -174,17 +202,18 @@ def next_strength(rows: list[Row], min_effect: float, max_strength: float) -> fl
     if top.point.strength >= max_strength:
         return None
     effect = top.effect
-    if top.passed or effect is None:
+    if (top.passed and effect is not None and effect >= aim) or effect is None:
         factor = STEP_PASSING
     elif effect <= 0:
         factor = STEP_MAX
     else:
-        factor = min(max(min_effect / effect * 1.1, STEP_MIN), STEP_MAX)
+        factor = min(max(aim / effect * 1.1, STEP_MIN), STEP_MAX)
     return min(top.point.strength * factor, max_strength)
 
 
 def search_setting(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, max_strength: float,
-                   stage: str, echo: Callable[[str], None], rows: list[Row]) -> list[Row]:
+                   stage: str, echo: Callable[[str], None], rows: list[Row],
+                   target_effect: float = 0.0) -> list[Row]:
     """Step 1 for one setting: strength steps from ``start`` until bracketed, capped, or out of budget.
     Appends to ``rows`` (the whole table) and returns this setting's rows."""
     mine: list[Row] = []
@@ -197,41 +226,76 @@ def search_setting(evaluate: Evaluate, start: Point, *, budget: int, min_effect:
         rows.append(row)
         mine.append(row)
         echo(f"search pass {spent(rows)}/{budget}: {format_row(row)}")
-        strength = next_strength(mine, min_effect, max_strength)
+        strength = next_strength(mine, min_effect, max_strength, target_effect)
     return mine
 
 
 def search(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, max_strength: float,
-           alternatives: Iterable[tuple[str, dict[str, Any]]] = (),
+           alternatives: Iterable[tuple[str, dict[str, Any]]] = (), target_effect: float = 0.0,
            echo: Callable[[str], None] = lambda _m: None) -> SearchResult:
-    """The whole search (module docstring); raises :class:`NoPassingPoint` when nothing passes."""
+    """The whole search (module docstring); raises :class:`NoPassingPoint` when nothing passes.
+
+    Alternatives run when the spec's settings found no passing point, or (with a target) none that
+    reached ``target_effect``; an alternative's change may carry its own start ``strength``."""
     if budget < 1:
         raise BlazeError(f"--budget must be ≥ 1 (got {budget})")
     rows: list[Row] = []
     found = search_setting(evaluate, start, budget=budget, min_effect=min_effect, max_strength=max_strength,
-                           stage="strength", echo=echo, rows=rows)
-    stopped = "bracketed the strongest passing strength" if best_row(found) else "no passing strength"
-    if best_row(found) is None:
+                           stage="strength", echo=echo, rows=rows, target_effect=target_effect)
+    stopped = why_stopped(found, budget=budget, spent_passes=spent(rows), max_strength=max_strength,
+                          target_effect=target_effect)
+
+    def satisfied() -> bool:
+        chosen = best_row(rows, target_effect)
+        return chosen is not None and (target_effect <= 0 or reached(chosen, target_effect))
+
+    if not satisfied():
         for name, change in alternatives:
             if spent(rows) >= budget:
                 break
-            # start the alternative where the default stopped being clean: its damage may differ
+            # start the alternative where the default stopped being clean (its damage may differ), unless the
+            # alternative names its own start strength (another method's strength has another scale)
             clean = [r.point.strength for r in found if not r.damaged]
-            alt = dataclasses.replace(start, strength=max(clean, default=start.strength), **change)
+            alt = dataclasses.replace(start, **{"strength": max(clean, default=start.strength), **change})
             echo(f"search: trying {name} ({alt.label()})")
-            if best_row(search_setting(evaluate, alt, budget=budget, min_effect=min_effect,
-                                       max_strength=max_strength, stage=name, echo=echo, rows=rows)):
-                stopped = f"the spec's settings did not pass; {name} did"
+            mine = search_setting(evaluate, alt, budget=budget, min_effect=min_effect, max_strength=max_strength,
+                                  stage=name, echo=echo, rows=rows, target_effect=target_effect)
+            if best_row(mine, target_effect) is not None:
+                how = why_stopped(mine, budget=budget, spent_passes=spent(rows), max_strength=max_strength,
+                                  target_effect=target_effect)
+                missed = "reach the target" if best_row(found) else "pass"
+                stopped = f"the spec's settings did not {missed}; {name}: {how}"
+            if satisfied():
                 break
     if spent(rows) >= budget and best_row(rows) is None:
         stopped = f"budget of {budget} passes spent"
-    result = SearchResult(rows=rows, chosen=best_row(rows), budget=budget, stopped=stopped)
+    result = SearchResult(rows=rows, chosen=best_row(rows, target_effect), budget=budget, stopped=stopped,
+                          target_effect=target_effect)
     if result.chosen is None:
         raise NoPassingPoint(
             f"no point of the search passed the gate on the validation prompts ({result.passes} passes, "
             f"{stopped}):\n{format_table(rows)}\nRaise --budget, relax a bound (--max-*), try other "
             "--layers/--kinds/--method, or pass a fixed --strength with --no-canary.", result)
     return result
+
+
+def why_stopped(rows: list[Row], *, budget: int, spent_passes: int, max_strength: float,
+                target_effect: float = 0.0) -> str:
+    """Why the search of one setting ended, in words (the manifest's ``stopped``)."""
+    if not rows:
+        return "no pass left in the budget"
+    if any(reached(r, target_effect) for r in rows):
+        return f"reached the target effect {target_effect:g}"
+    passing = best_row(rows) is not None
+    if any(r.damaged for r in rows):
+        end = "bracketed the strongest passing strength" if passing else "damage at every strength tried"
+    elif max(r.point.strength for r in rows) >= max_strength:
+        end = f"at the strength cap {max_strength:g}"
+    elif spent_passes >= budget:
+        end = f"budget of {budget} passes spent"
+    else:
+        end = "search ended"
+    return end if passing or "damage" in end else f"no passing strength ({end})"
 
 
 def _fmt(value: Any) -> str:
