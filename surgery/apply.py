@@ -47,6 +47,11 @@ class ApplyResult:
     warnings: list[str] = field(default_factory=list)
 
 
+
+APPLY_EDIT_KEYS = ("behavior", "spec_hash", "spec_version", "behavior_spec_sha256", "method", "strength")
+"""Patch metadata an applied variant's manifest repeats under ``edit``: what the card and ``publish`` read
+(``spec_hash`` is what ``blaze edit`` records; ``behavior_spec_sha256`` is an older patches' name)."""
+
 def patch_problems(patch: PatchArrays) -> list[str]:
     """What is wrong with the patch itself: non-finite factors, tensors its base identity does not list."""
     problems = []
@@ -107,7 +112,7 @@ def apply_patch(patch: Path, out: Path, *, base: str | None = None, revision: st
         if not force:
             expected = {n: d for n, d in recorded.get("tensor_sha256", {}).items() if n not in trusted}
     extra = {"command": "apply", "patch_sha256": sha256_file(patch_file), **{
-        k: v for k, v in loaded.metadata.items() if k in ("behavior", "behavior_spec_sha256", "method")}}
+        k: v for k, v in loaded.metadata.items() if k in APPLY_EDIT_KEYS}}
     try:
         write_variant(release, loaded, out, force=force, max_shard_bytes=max_shard_bytes, manifest_extra=extra,
                       known_tensor_sha256=trusted, expect_tensor_sha256=expected)

@@ -633,3 +633,18 @@ def test_first_write_and_rerun_give_identical_patch_and_manifest(tiny_release, t
     assert all(known_sha256(p) for p in local.glob("model-*.safetensors"))  # the rerun did see a warm cache
     assert outputs[0][0] == outputs[1][0]
     assert outputs[0][1] == outputs[1][1]
+
+
+def test_cli_apply_keeps_the_behaviour_spec_hash_of_the_patch(base, tmp_path):
+    """The manifest of an applied variant names the behaviour and its spec hash, as `blaze edit` records them
+    in the patch (the card reads edit.spec_hash)."""
+    patch = _patch(base)
+    patch = Patch(patch.factors, patch.base_identity, {**patch.metadata, "behavior": "verbosity",
+                                                       "spec_hash": "d" * 64, "spec_version": 1})
+    patch_file = tmp_path / "p.safetensors"
+    patch.save(patch_file)
+    result = CliRunner().invoke(main, ["apply", str(patch_file), "--base", str(base.path), "--out",
+                                       str(tmp_path / "v")])
+    assert result.exit_code == 0, result.output
+    edit = json.loads((tmp_path / "v" / MANIFEST_FILE).read_text())["edit"]
+    assert edit["behavior"] == "verbosity" and edit["spec_hash"] == "d" * 64 and edit["spec_version"] == 1
