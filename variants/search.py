@@ -168,7 +168,7 @@ def best_row(rows: Iterable[Row], target_effect: float = 0.0) -> Row | None:
         return None
     at_target = [r for r in passing if reached(r, target_effect)]
     if at_target:
-        order = {}
+        order: dict[tuple, int] = {}
         for r in rows:
             order.setdefault(_setting(r.point), len(order))
         return min(at_target, key=lambda r: (order[_setting(r.point)], r.point.strength))
