@@ -33,6 +33,7 @@ from surgery.targets import (
 
 if TYPE_CHECKING:
     from clef_model.runtime import Runtime
+    from surgery.distill import DistillStatistics
     from surgery.patch import Patch
 
 WeightSource = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
@@ -197,11 +198,12 @@ def _kernel(layer_kernel: LayerKernel, layer: int) -> float:
     return float(layer_kernel.get(layer, 0.0))
 
 
-def _solve_device(stats: Statistics, device: torch.device | str | None) -> torch.device:
+def _solve_device(stats: Statistics | DistillStatistics, device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
-    first = next(iter(stats.keys.values()), None)
-    return first.behaviour_moment.device if first is not None else torch.device("cpu")
+    for moments in stats.keys.values():
+        return moments.key_moment.device if hasattr(moments, "key_moment") else moments.behaviour_moment.device
+    return torch.device("cpu")
 
 
 @dataclass
@@ -213,7 +215,7 @@ class SolveResult:
 
 
 def solve_factors(
-    stats: Statistics,
+    stats: Statistics | DistillStatistics,
     method: str = "steer",
     strength: float = 0.15,
     rank: int = 1,
@@ -235,11 +237,12 @@ def solve_factors(
     ``layer_kernel`` multiplies the strength per layer. The float64 algebra runs on ``device`` (default:
     where the statistics are, i.e. the GPU after a GPU collection).
     """
-    if method not in solvers.METHODS:
-        raise BlazeError(f"unknown method {method!r}: use one of {', '.join(solvers.METHODS)}")
-    if strength < 0 or not math.isfinite(strength):
-        raise BlazeError(f"strength must be a finite number ≥ 0 (got {strength})")
+    _check_solve(stats, method, strength)
     names = list(stats.keys) if targets is None else list(targets)
+    if method == "distill":
+        return _solve_distill(stats, names, strength, rank, lam, mu, layer_kernel, weights,  # type: ignore[arg-type]
+                              _solve_device(stats, device))
+    assert isinstance(stats, Statistics)
     writers_per_layer: dict[int, int] = {}
     for name in names:
         layer, kind = split_name(name)
@@ -294,6 +297,53 @@ def solve_factors(
     return SolveResult(factors, info)
 
 
+def _check_solve(stats: Statistics | DistillStatistics, method: str, strength: float) -> None:
+    """A known method, a finite strength ≥ 0, and statistics of the method's kind (distill has its own)."""
+    if method not in solvers.METHODS:
+        raise BlazeError(f"unknown method {method!r}: use one of {', '.join(solvers.METHODS)}")
+    if strength < 0 or not math.isfinite(strength):
+        raise BlazeError(f"strength must be a finite number ≥ 0 (got {strength})")
+    if _is_distill(stats) != (method == "distill"):
+        raise BlazeError(f"method {method} needs {'distill' if method == 'distill' else 'steer/nullspace'} "
+                         "statistics (surgery.distill.collect_distill_statistics for distill, "
+                         "collect_statistics otherwise)")
+
+
+def _is_distill(stats: Statistics | DistillStatistics) -> bool:
+    from surgery.distill import DistillStatistics
+
+    return isinstance(stats, DistillStatistics)
+
+
+def _solve_distill(stats: DistillStatistics, names: list[str], strength: float, rank: int, lam: float, mu: float,
+                   layer_kernel: LayerKernel, weights: WeightSource | None, dev: torch.device) -> SolveResult:
+    """``distill``: each matrix's rank-k reduced-rank regression of its prompted change on its unprompted
+    keys (:func:`surgery.solvers.reduced_rank_regression`), times ``strength`` × the layer kernel. The
+    unscaled solve is memoised on ``stats`` (a strength sweep solves each matrix once)."""
+    factors: dict[str, solvers.Factors] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for name in names:
+        layer, _kind = split_name(name)
+        m = stats.keys[name]
+        memo_key = ("solve", name, "distill", rank, lam, mu, str(dev))
+        base: solvers.Factors | None = stats.memo.get(memo_key)
+        if base is None:
+            cp = None if m.preserve_moment is None else m.preserve_moment.to(dev)
+            base = solvers.reduced_rank_regression(m.cross_moment.to(dev), m.key_moment.to(dev), rank, cp,
+                                                   lam=lam, mu=mu)
+            stats.memo[memo_key] = base
+            stats.memo[("fit", *memo_key)] = solvers.fit_fraction(base, m.cross_moment.to(dev),
+                                                                  m.key_moment.to(dev), m.target_energy)
+        alpha = strength * _kernel(layer_kernel, layer)
+        f = solvers.Factors(U=base.U, V=base.V * alpha, scale=alpha)
+        w = _weight(weights, name)
+        factors[name] = f
+        entry = _matrix_info(stats, name, f, None if w is None else w.to(dev), None)
+        entry["fit"] = stats.memo[("fit", *memo_key)]     # share of E‖r‖² reproduced at strength 1
+        info[name] = entry
+    return SolveResult(factors, info)
+
+
 def _solve_matrix(stats: Statistics, name: str, method: str, rank: int, lam: float, threshold: float, mu: float,
                   dev: torch.device, basis: torch.Tensor, pair_targets: torch.Tensor) -> solvers.Factors:
     """The uncalibrated steer/nullspace factors of one matrix, memoised on ``stats``.
@@ -318,7 +368,7 @@ def _solve_matrix(stats: Statistics, name: str, method: str, rank: int, lam: flo
     return f
 
 
-def _matrix_info(stats: Statistics, name: str, f: solvers.Factors, w: torch.Tensor | None,
+def _matrix_info(stats: Statistics | DistillStatistics, name: str, f: solvers.Factors, w: torch.Tensor | None,
                  separation: float | None) -> dict[str, Any]:
     """The manifest's numbers for one solved matrix (``separation``: the layer's, for writers only)."""
     layer, kind = split_name(name)
@@ -371,7 +421,7 @@ class SolveSettings:
 
 
 def solve(
-    stats: Statistics,
+    stats: Statistics | DistillStatistics,
     settings: SolveSettings,
     *,
     weights: WeightSource | None = None,
@@ -399,7 +449,8 @@ def solve(
         "seed": None,  # the edit is deterministic: no random numbers are drawn
         "statistics": {k: v for k, v in stats.meta.items() if k in (
             "n_pairs", "behaviour_tokens", "preserve_texts", "preserve_requests", "preserve_tokens",
-            "accumulate_dtype", "fingerprint")},
+            "accumulate_dtype", "fingerprint", "n_items", "response_tokens", "teacher_hit_limit",
+            "teacher_sha256")},
         "targets": result.info,
         **(metadata or {}),
     }

@@ -24,7 +24,7 @@ import torch
 
 from clef_model.errors import BlazeError
 
-METHODS = ("steer", "nullspace", "ablate")
+METHODS = ("steer", "nullspace", "ablate", "distill")
 
 
 @dataclass
@@ -100,6 +100,47 @@ def nullspace(basis: torch.Tensor, cross: torch.Tensor, behaviour_moment: torch.
     g = g + relative_ridge(_sym(behaviour_moment), mu) * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
     v = n @ torch.linalg.solve(g, n.T @ cross.double().T)
     return Factors(U=basis.double().clone(), V=v, null_dim=int(n.shape[1]))
+
+
+def reduced_rank_regression(cross: torch.Tensor, key_moment: torch.Tensor, rank: int,
+                            preserve_moment: torch.Tensor | None = None, lam: float = 0.0,
+                            mu: float = 1e-3) -> Factors:
+    """The ``distill`` solve: the best rank-``rank`` ΔW for "ΔW k = r" (Izenman 1975, with the MEMIT penalty).
+
+    Minimises ‖ΔW K − R‖² + λ‖ΔW K_p‖² + μ'‖ΔW‖² over rank(ΔW) ≤ k, from moments only: ``cross`` = E[r kᵀ]
+    (d_out × d_in), ``key_moment`` = E[k kᵀ], ``preserve_moment`` = C_p. With G = E[k kᵀ] + λ C_p + μ' I
+    (μ' relative, :func:`relative_ridge`) the unconstrained solution is M = E[r kᵀ] G⁻¹, and the objective
+    is ‖(ΔW − M) G^½‖² + const, so the rank-k optimum projects M onto the top-k eigenvectors Q of
+    M G Mᵀ (= E[r kᵀ] Mᵀ): ΔW = Q Qᵀ M, i.e. U = Q, V = Mᵀ Q.
+    """
+    if lam < 0 or mu < 0:
+        raise BlazeError("lambda and mu must be ≥ 0")
+    if rank < 1:
+        raise BlazeError(f"--rank must be ≥ 1 (got {rank})")
+    g = _sym(key_moment)
+    if lam > 0:
+        if preserve_moment is None:
+            raise BlazeError("distill with lambda > 0 needs preserved-key statistics (a preserve set)")
+        g = g + lam * _sym(preserve_moment)
+    g = g + relative_ridge(g, mu) * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+    c = cross.double()
+    m = torch.linalg.solve(g, c.T).T                           # d_out × d_in  (g symmetric)
+    _, vectors = torch.linalg.eigh(_sym(c @ m.T))              # ascending eigenvalues
+    q = vectors[:, -min(rank, vectors.shape[1]):].flip(1)       # d_out × k, strongest first
+    return Factors(U=q, V=m.T @ q)
+
+
+def fit_fraction(f: Factors, cross: torch.Tensor, key_moment: torch.Tensor, target_energy: float,
+                 strength: float = 1.0) -> float:
+    """Share of the targets' energy E‖r‖² that ``strength`` × ΔW reproduces on the keys it was fitted on:
+    1 − E‖s ΔW k − r‖² / E‖r‖² (1 = exact, 0 = no better than no edit, < 0 = overshoot)."""
+    if target_energy <= 0:
+        return 0.0
+    u, v = f.U.double(), f.V.double()
+    quad = float(torch.trace((u.T @ u) @ (v.T @ key_moment.double() @ v)))    # E‖ΔW k‖²
+    lin = float(torch.trace(u.T @ cross.double() @ v))                         # E[rᵀ ΔW k]
+    residual = strength * strength * quad - 2 * strength * lin + target_energy
+    return 1.0 - residual / target_energy
 
 
 def ablate_output(weight: torch.Tensor, basis: torch.Tensor, strength: float) -> Factors:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from canaries.gate import Thresholds
     from clef_model.runtime import Runtime
     from surgery.directions import ContrastPair
+    from surgery.distill import DistillStatistics
     from surgery.patch import Patch
     from surgery.statistics import PreserveSet, Statistics
     from variants.spec import BehaviorSpec, EditSettings
@@ -229,12 +230,21 @@ def loop_check_items(spec: BehaviorSpec) -> list[dict]:
     return freeform_suite([{"prompt": prompt, "source": "general"} for prompt in seen.values()], general=False)
 
 
+DISTILL_START = 0.5
+"""The ``distill`` alternative's first strength: half of each writer's least-squares fit of its prompted change."""
+
+
 def alternatives(settings: EditSettings) -> list[tuple[str, dict[str, Any]]]:
     """Where/how alternatives, cheapest first (module docstring of :mod:`variants.search`)."""
     out: list[tuple[str, dict[str, Any]]] = []
     if settings.method == "steer":
         out.append(("lambda x10", {"lam": max(settings.lam, 0.1) * 10}))
         out.append(("nullspace", {"method": "nullspace"}))
+    if settings.method != "distill" and settings.positions == "shared_response":
+        # pairs that contrast two system prompts: distil the wanted one (its own statistics pass: the base's
+        # answers under it, then two teacher-forced runs). Its strength is a fraction of the prompted change,
+        # not of a mean difference, so it starts at its own scale.
+        out.append(("distill", {"method": "distill", "strength": DISTILL_START}))
     if settings.layers != "auto":
         out.append(("layers auto", {"layers": "auto"}))
     return out
@@ -283,11 +293,22 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     echo(f"data: {len(pairs)} contrast pairs, preserve {len(keep.texts)} chat prompts + "
          f"{len(keep.requests)} typed-decision requests")
     echo(f"directions read at: {s.positions}")
-    collected: dict[tuple[str, str], Any] = {}
+    collected: dict[tuple[str, ...], Any] = {}
     identities: dict[tuple[str, str], dict] = {}
 
-    def statistics(layers: str, kinds: str) -> Statistics:
-        """Statistics for a layer band and kinds: collected once per run (and cached on disk)."""
+    def statistics(layers: str, kinds: str, method: str = "steer") -> Statistics | DistillStatistics:
+        """Statistics for a layer band and kinds: collected once per run (and cached on disk); ``distill``
+        has its own (the base's answers under the wanted system prompt and the moments of both runs)."""
+        if method == "distill":
+            if (layers, kinds, method) not in collected:
+                from surgery.distill import collect_distill_statistics
+
+                cache = _cache_file(opts, runtime, spec, s, layers, kinds)
+                collected[layers, kinds, method] = collect_distill_statistics(
+                    runtime, pairs, keep, layers, kinds, max_new_tokens=s.max_new_tokens, rank=s.rank,
+                    batch_size=opts.batch_size, progress=opts.progress, echo=echo,
+                    cache=cache.with_name(f"{cache.stem}-distill-{s.max_new_tokens}.pt"))
+            return collected[layers, kinds, method]
         if (layers, kinds) not in collected:
             collected[layers, kinds] = collect_statistics(
                 runtime, pairs, keep, layers, kinds, rank=s.rank, batch_size=opts.batch_size,
@@ -295,12 +316,12 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                 positions=s.positions)
         return collected[layers, kinds]
 
-    stats = statistics(s.layers, s.kinds_text)
+    stats = statistics(s.layers, s.kinds_text, s.method)
     weights = weights_from_runtime(runtime)
     common = {"behavior": spec.name, "spec_hash": spec.spec_hash, "spec_version": spec.version}
 
     def solve_patch(point: Point, extra: dict | None = None) -> Patch:
-        st = statistics(point.layers, point.kinds)
+        st = statistics(point.layers, point.kinds, point.method)
         settings = SolveSettings(method=point.method, strength=float(point.strength), rank=s.rank,
                                  lam=float(point.lam), threshold=float(s.threshold))
         if (point.layers, point.kinds) not in identities:
@@ -322,7 +343,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                        max_strength=STRENGTH_MAX, alternatives=alternatives(s), echo=echo)
         assert found.chosen is not None
         start = found.chosen.point
-        stats = statistics(start.layers, start.kinds)
+        stats = statistics(start.layers, start.kinds, start.method)
         echo(f"search: chose {start.label()} after {found.passes} of {s.budget} passes ({found.stopped})")
     strength = start.strength
     sweep = [] if found is None else [r.to_dict() for r in found.rows]

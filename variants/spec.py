@@ -28,7 +28,7 @@ from clef_model.errors import BlazeError
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 ROLES = ("system", "user", "assistant")
-METHODS = ("steer", "ablate", "nullspace")
+METHODS = ("steer", "ablate", "nullspace", "distill")
 QUALITIES = ("keywords", "no_cave")
 STANCES = ("pushback", "user_right")
 
@@ -158,7 +158,8 @@ class EditSettings:
 
     method: str = field(default="steer", metadata=_opt(
         "steer: ridge edit with a penalty on preserved inputs; nullspace: edit only in the null space of "
-        "preserved inputs (AlphaEdit); ablate: remove the direction (Arditi et al.).", choices=METHODS))
+        "preserved inputs (AlphaEdit); ablate: remove the direction (Arditi et al.); distill: fit the writers to "
+        "reproduce the run under the wanted system prompt (closed-form context distillation).", choices=METHODS))
     kinds: tuple[str, ...] = field(default=("writers",), metadata=_opt(
         "Matrices: `writers` (o_proj/out_proj/down_proj), `readers`, `all`, or names such as `mlp.down_proj` "
         "(comma-separated).", convert=parse_kinds))
