@@ -10,6 +10,7 @@ decoder layers and linear modules, keyed by their on-disk tensor names. Plain Hu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -226,20 +227,33 @@ class Runtime:
 
     @torch.inference_mode()
     def _option_probabilities(
-        self, requests: list[dict], batch_size: int, max_length: int
+        self, requests: list[dict], batch_size: int, max_length: int,
+        batching: _fast.BatchingSettings | None = None,
     ) -> tuple[list[Any], list[dict[str, dict[str, float]]]]:
-        """Encode, batch (right padding, similar lengths together) and run the head; unrounded probabilities."""
+        """Encode, batch (right padding, similar lengths together) and run the head; unrounded probabilities.
+
+        Without ``batching``: sorted by length, ``batch_size`` per forward. With it (``systemone_batch``):
+        the length-aware plan of :func:`clef_model.fast.plan_batches`, batches of two or more rows through
+        the fast batched backbone when it is on.
+        """
         code = self._require_clef()
         if batch_size < 1:
             raise BlazeError(f"batch size must be at least 1 (got {batch_size}).")
         encoded = self.encode_requests(requests, max_length)
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+        if batching is None:
+            order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+            chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+        else:
+            chunks = _fast.plan_batches([len(record.input_ids) for record in encoded], batching)
         results: list[dict[str, dict[str, float]] | None] = [None] * len(encoded)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
+        for chunk in chunks:
             batch = code.collate_records([encoded[i] for i in chunk], self.tokenizer.pad_token_id, self.device)
-            # [fast path, issue 6: clef_model/fast/hooks.py] batch-1 text requests through a CUDA-graphed backbone
-            logits = _fast.clef_logits(self, batch)
+            # [fast path, issue 6: clef_model/fast/hooks.py] batch-1 text requests through a CUDA-graphed backbone;
+            # [issue 15] a length-aware batch of several through the same backbone, padded to one bucket
+            if batching is not None and len(chunk) > 1:
+                logits = _fast.clef_logits_rows(self, batch, graph_tokens=batching.graph_tokens)
+            else:
+                logits = _fast.clef_logits(self, batch)
             if logits is None:
                 assert self.clef is not None  # _require_clef passed
                 logits = self.clef(batch)
@@ -258,10 +272,20 @@ class Runtime:
         """Unrounded probabilities per request: question id -> option id -> probability."""
         return self._option_probabilities(requests, batch_size, max_length)[1]
 
-    def systemone_batch(self, requests: list[dict], batch_size: int = 8, max_length: int = 16384) -> list[dict]:
-        """SystemOne response bodies for several requests, `batch_size` per forward pass."""
+    def systemone_batch(self, requests: list[dict], batch_size: int = 8, max_length: int = 16384, *,
+                        batching: _fast.BatchingSettings | None = None) -> list[dict]:
+        """SystemOne response bodies for several requests, in the caller's order; at most `batch_size` per forward.
+
+        Length-aware [issue 15]: requests are sorted by length and grouped only while the padded batch
+        stays within `batching`'s token budget and padding bound (defaults: `BatchingSettings()`; its
+        `max_rows` is replaced by `batch_size`), so mixed lengths do not pay for padding to the longest.
+        A request left alone in its group runs exactly the one-at-a-time path of `systemone`.
+        """
         code = self._require_clef()
-        encoded, probabilities = self._option_probabilities(requests, batch_size, max_length)
+        if batch_size < 1:
+            raise BlazeError(f"batch size must be at least 1 (got {batch_size}).")
+        settings = dataclasses.replace(batching or _fast.BatchingSettings(), max_rows=batch_size)
+        encoded, probabilities = self._option_probabilities(requests, batch_size, max_length, settings)
         responses = []
         for request, record, record_probabilities in zip(requests, encoded, probabilities, strict=True):
             answers = {

@@ -23,13 +23,16 @@ Modules, in import order:
   syncs, but not bit-compatible in bf16, so only on request.
 - :mod:`~clef_model.fast.systemone` — :class:`FastSystemOne`: the release's ``systemone`` answer with
   the backbone swapped for :class:`GraphedBackbone`.
+- :mod:`~clef_model.fast.batching` — :func:`plan_batches`: length-aware SystemOne batches (sorted, cut
+  by a padded-token budget and a padding-waste bound) for ``Runtime.systemone_batch``.
 - :mod:`~clef_model.fast.hooks` — what ``clef_model.runtime.Runtime`` calls (:func:`clef_logits`,
-  :func:`greedy_rows`); each returns None when the reference path should answer.
+  :func:`clef_logits_rows`, :func:`greedy_rows`); each returns None when the reference path should answer.
 
 Equivalence with the reference path is checked by ``tests/test_fast.py`` (CPU, float32 fixtures) and
 by ``scripts/bench`` (GPU, bf16, 9B shapes).
 """
 
+from clef_model.fast.batching import BatchingSettings, padded_length, plan_batches
 from clef_model.fast.cache import StaticCache
 from clef_model.fast.engine import QwenEngine
 from clef_model.fast.graphs import GraphedBackbone, StaticGreedyDecoder, default_buckets
@@ -42,6 +45,7 @@ from clef_model.fast.head import (
 )
 from clef_model.fast.hooks import (
     clef_logits,
+    clef_logits_rows,
     compile_requested,
     compiled_engine,
     enabled,
@@ -51,6 +55,7 @@ from clef_model.fast.support import is_supported, text_parts
 from clef_model.fast.systemone import FastSystemOne
 
 __all__ = [
+    "BatchingSettings",
     "FastSystemOne",
     "GraphedBackbone",
     "HeadPlan",
@@ -58,6 +63,7 @@ __all__ = [
     "StaticCache",
     "StaticGreedyDecoder",
     "clef_logits",
+    "clef_logits_rows",
     "compile_requested",
     "compiled_engine",
     "default_buckets",
@@ -67,6 +73,8 @@ __all__ = [
     "head_plan",
     "is_supported",
     "known_head",
+    "padded_length",
+    "plan_batches",
     "text_parts",
     "vector_head_requested",
 ]

@@ -1,6 +1,7 @@
-"""CUDA-graph replay of the engine: batch-1 SystemOne backbone per length bucket, and greedy decoding.
+"""CUDA-graph replay of the engine: SystemOne backbone per length bucket (batch 1, or a small length-aware
+batch of rows), and greedy decoding.
 
-A graph is captured once per shape (length bucket, or decode batch size) and replayed with one launch,
+A graph is captured once per shape ((rows, length bucket), or decode batch size) and replayed with one launch,
 which removes the Python and kernel-launch overhead that dominates the stock path. On the CPU both
 classes run the same engine eagerly.
 """
@@ -38,7 +39,8 @@ class GraphedBackbone:
         self.use_graphs = engine.device.type == "cuda" if use_graphs is None else use_graphs
         # padding without graphs only serves tests: it feeds the eager path what a graph would see
         self.pad_to_bucket = self.use_graphs if pad_to_bucket is None else pad_to_bucket
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # keyed by (rows, bucket): batch-1 requests and the small batches of `rows` share one pool
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None  # torch.cuda.graph_pool_handle(): an opaque handle torch does not export a type for
 
     def bucket_for(self, length: int) -> int | None:
@@ -48,8 +50,8 @@ class GraphedBackbone:
                 return bucket
         return None
 
-    def _capture(self, bucket: int):
-        ids = torch.full((1, bucket), self.pad_token_id, dtype=torch.long, device=self.engine.device)
+    def _capture(self, bucket: int, rows: int = 1):
+        ids = torch.full((rows, bucket), self.pad_token_id, dtype=torch.long, device=self.engine.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -61,14 +63,14 @@ class GraphedBackbone:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self.engine.hidden_states(ids)
-        self._graphs[bucket] = (graph, ids, out)
-        return self._graphs[bucket]
+        self._graphs[(rows, bucket)] = (graph, ids, out)
+        return self._graphs[(rows, bucket)]
 
     def warm(self, lengths: Sequence[int]) -> None:
         """Capture the graphs for the buckets of ``lengths`` ahead of time."""
         for length in lengths:
             bucket = self.bucket_for(length)
-            if self.use_graphs and bucket is not None and bucket not in self._graphs:
+            if self.use_graphs and bucket is not None and (1, bucket) not in self._graphs:
                 self._capture(bucket)
 
     @torch.inference_mode()
@@ -82,7 +84,33 @@ class GraphedBackbone:
             ids = torch.full((1, bucket), self.pad_token_id, dtype=torch.long, device=input_ids.device)
             ids[:, :length].copy_(input_ids)
             return self.engine.hidden_states(ids)[:, :length]
-        graph, ids, out = self._graphs.get(bucket) or self._capture(bucket)
+        graph, ids, out = self._graphs.get((1, bucket)) or self._capture(bucket)
+        ids.fill_(self.pad_token_id)
+        ids[:, :length].copy_(input_ids)
+        graph.replay()
+        return out[:, :length]
+
+    @torch.inference_mode()
+    def rows(self, input_ids: torch.Tensor, graph_tokens: int = 2048) -> torch.Tensor:
+        """Hidden states ``[B, T, hidden]`` for right-padded rows ``input_ids [B, T]`` (a length-aware batch).
+
+        The rows are padded further to the length bucket of ``T`` (bounded set of shapes, as for batch 1).
+        A padded batch of at most ``graph_tokens`` tokens replays a CUDA graph captured once per
+        (rows, bucket); a larger one runs eagerly, where its long kernels hide their own launches. One
+        row takes the batch-1 path. Positions past a row's real length hold padding's hidden states,
+        which the joint head never reads (it cuts each row at its attention mask).
+        """
+        count, length = input_ids.shape
+        if count == 1:
+            return self(input_ids)
+        bucket = self.bucket_for(length)
+        if bucket is None or not (self.use_graphs or self.pad_to_bucket):
+            return self.engine.hidden_states(input_ids)
+        if not self.use_graphs or count * bucket > graph_tokens:
+            ids = torch.full((count, bucket), self.pad_token_id, dtype=torch.long, device=input_ids.device)
+            ids[:, :length].copy_(input_ids)
+            return self.engine.hidden_states(ids)[:, :length]
+        graph, ids, out = self._graphs.get((count, bucket)) or self._capture(bucket, count)
         ids.fill_(self.pad_token_id)
         ids[:, :length].copy_(input_ids)
         graph.replay()

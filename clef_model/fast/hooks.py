@@ -115,6 +115,41 @@ def compiled_engine(model: torch.nn.Module) -> QwenEngine:
     return engine
 
 
+def _backbone(runtime: Any) -> GraphedBackbone:
+    """The runtime's graphed backbone (built on first use; ``BLAZE_FAST_COMPILE=1`` compiles it first)."""
+    backbone = runtime.__dict__.get("_fast_backbone")
+    if backbone is None:
+        pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
+        engine = compiled_engine(runtime.model) if compile_requested() else _engine(runtime)
+        backbone = GraphedBackbone(engine, pad_token_id=pad)
+        runtime.__dict__["_fast_backbone"] = backbone
+    return backbone
+
+
+def clef_logits_rows(runtime: Any, batch: dict, graph_tokens: int = 2048) -> list | None:
+    """``ClefModel(batch)`` for a length-aware batch of text-only records through the fast backbone; else None.
+
+    Used by ``Runtime.systemone_batch`` for batches of two or more requests of similar length
+    (:func:`clef_model.fast.batching.plan_batches`): the rows run padded to one length bucket, from a
+    CUDA graph when the padded batch has at most ``graph_tokens`` tokens, and the release's own joint head
+    scores each row up to its attention mask, as in the release's batched forward.
+    """
+    clef = getattr(runtime, "clef", None)
+    if clef is None or batch.get("media") or not enabled(runtime):
+        return None
+    if batch["input_ids"].shape[0] == 1:
+        return clef_logits(runtime, batch)
+    try:
+        backbone = _backbone(runtime)
+        with torch.inference_mode():
+            hidden = backbone.rows(batch["input_ids"], graph_tokens=graph_tokens)
+            return clef.head(hidden, batch["input_ids"], batch["attention_mask"], batch["records"],
+                             backbone.engine.lm_head.weight)
+    except Exception as error:  # noqa: BLE001 - a fast-path failure must never break SystemOne
+        _give_up(runtime, "systemone batch", error)
+        return None
+
+
 def clef_logits(runtime: Any, batch: dict) -> list | None:
     """``ClefModel(batch)`` for a batch of one text-only record, backbone from a CUDA graph; else None.
 
@@ -125,12 +160,7 @@ def clef_logits(runtime: Any, batch: dict) -> list | None:
     clef = getattr(runtime, "clef", None)
     if clef is None or batch.get("media") or batch["input_ids"].shape[0] != 1 or not enabled(runtime):
         return None
-    backbone = runtime.__dict__.get("_fast_backbone")
-    if backbone is None:
-        pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
-        engine = compiled_engine(runtime.model) if compile_requested() else _engine(runtime)
-        backbone = GraphedBackbone(engine, pad_token_id=pad)
-        runtime.__dict__["_fast_backbone"] = backbone
+    backbone = _backbone(runtime)
     vector = vector_head_requested(getattr(runtime, "release_code", None))
     try:
         with torch.inference_mode():

@@ -42,6 +42,14 @@ class Options:
     s1_warmup: int
     s1_agree: int
     s1_control: bool
+    s1b_requests: int
+    s1b_min: int
+    s1b_max: int
+    s1b_batches: tuple[int, ...]
+    s1b_budget: int
+    s1b_overhead: int
+    s1b_repeats: int
+    s1b_count_batches: bool
     gen_tokens: int
     gen_batches: tuple[int, ...]
     fast_extra_batches: tuple[int, ...]

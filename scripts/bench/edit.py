@@ -33,6 +33,7 @@ from scripts.bench.common import (
     timed,
     timed_runtime_load,
 )
+from scripts.bench.models import base_folder
 
 RELAXED_GATE = {"effect": "none", "min_effect": 0.0, "max_first_token_kl": 1e9, "max_mean_token_kl": 1e9,
                 "max_loop_rate": 1.0, "max_limit_rate": 1.0, "max_empty_rate": 1.0, "max_decision_drift": 1e9,
@@ -148,8 +149,8 @@ def prehash(folder: Path) -> None:
 def run(bench: Bench) -> None:
     """Build the fixture if needed, then time one ``blaze edit`` end to end and by stage."""
     options = bench.options
-    out: dict[str, Any] = {"num_layers": options.num_layers or 32}
-    base = options.workdir / "base9b"
+    out: dict[str, Any] = {"num_layers": options.num_layers or "all", "preset": options.preset}
+    base = base_folder(options)
     _build_base(bench, base, out)
     if bench.device == "cuda" and not options.skip_jit_warm:  # fla's Triton kernels compile on first use
         out["triton_jit_warm_s"] = round(timed(warm_fla)[1], 1)

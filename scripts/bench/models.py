@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from clef_model.files import RELEASE_CODE
+from clef_model.files import INDEX_FILE, RELEASE_CODE
 from scripts.bench.common import Bench, timed
 
 
@@ -37,10 +37,29 @@ def load_model(bench: Bench) -> Loaded:
     elif options.model == "random9b":
         loaded, dt = timed(lambda: load_random9b(bench))
     else:
-        folder = options.workdir / "base9b" if options.model == "edit-base" else Path(options.model)
+        folder = base_folder(options) if options.model == "edit-base" else Path(options.model)
+        if options.model == "edit-base" and not (folder / INDEX_FILE).exists():
+            build_base(bench, folder)
         loaded, dt = timed(lambda: load_release(bench, folder))
     bench.results.load_s[loaded.label] = round(dt, 1)
     return loaded
+
+
+def base_folder(options: Any) -> Path:
+    """Where the edit/canary sections and ``--model edit-base`` keep the ``--preset`` fixture."""
+    return options.workdir / f"base{options.preset}"
+
+
+def build_base(bench: Bench, folder: Path) -> float:
+    """Build the ``--preset`` fixture (``--num-layers``) at ``folder``; log and return the seconds."""
+    from clef_model.fixtures import build_fixture
+
+    options = bench.options
+    _, dt = timed(lambda: build_fixture(folder, options.preset, num_layers=options.num_layers, force=True,
+                                        progress=False))
+    bench.say(f"fixture {options.preset} ({options.num_layers or 'all'} layers) built at {folder} in {dt:.0f}s")
+    bench.results.load_s[f"fixture {options.preset} build"] = round(dt, 1)
+    return dt
 
 
 def tiny_folder(workdir: Path) -> Path:
@@ -114,7 +133,18 @@ def load_random9b(bench: Bench) -> Loaded:
     def reference(request: dict) -> dict:
         return code.systemone(clef, processor, request)
 
-    return Loaded(backbone, head, tokenizer, code, reference, processor=processor, label="random9b (in memory)")
+    runtime = _runtime_around(tiny, backbone, tokenizer, processor, clef, code)
+    return Loaded(backbone, head, tokenizer, code, reference, processor=processor, runtime=runtime,
+                  label="random9b (in memory)")
+
+
+def _runtime_around(folder: Path, backbone: Any, tokenizer: Any, processor: Any, clef: Any, code: Any) -> Any:
+    """A ``Runtime`` over an in-memory model (``folder`` only supplies the release's files: chat template)."""
+    from clef_model.release import resolve_release
+    from clef_model.runtime import Runtime
+
+    device = next(backbone.parameters()).device
+    return Runtime(resolve_release(str(folder)), backbone, tokenizer, processor, device, torch.bfloat16, clef, code)
 
 
 def load_release(bench: Bench, folder: Path) -> Loaded:

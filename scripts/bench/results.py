@@ -21,6 +21,7 @@ class Results:
     env: Record | None = None
     load_s: dict[str, float] = field(default_factory=dict)  # model label -> seconds to load it
     systemone: Record | None = None
+    s1batch: Record | None = None
     generate: Record | None = None
     edit: Record | None = None
     canary: dict[str, Record] = field(default_factory=dict)  # "fast" / "stock" -> that canary run
@@ -29,7 +30,7 @@ class Results:
     def to_dict(self) -> Record:
         """The results as ``results.json`` holds them (sections that did not run are left out)."""
         data: Record = {}
-        for key in ("env", "systemone", "generate", "edit"):
+        for key in ("env", "systemone", "s1batch", "generate", "edit"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         if self.load_s:
@@ -54,6 +55,8 @@ class Results:
         lines += [machine, ""]
         if self.systemone is not None:
             lines += _systemone_markdown(self.systemone)
+        if self.s1batch is not None:
+            lines += _s1batch_markdown(self.s1batch)
         if self.generate is not None:
             lines += _generate_markdown(self.generate)
         others = {"edit": self.edit, **{f"canary_{label}": record for label, record in self.canary.items()}}
@@ -74,6 +77,19 @@ def _systemone_markdown(s: Record) -> list[str]:
         (f"agreement max |Δp| {s.get('agreement_max_abs_diff')} over {s.get('agreement_requests')} requests; "
          f"kernels {json.dumps(s.get('kernels'))}"),
         f"control (stock path, SDPA math kernel): {json.dumps(s.get('control_sdpa_math'))}", ""]
+
+
+def _s1batch_markdown(s: Record) -> list[str]:
+    agreement = s.get("agreement", {})
+    lines = [f"## SystemOne, mixed lengths ({s.get('model')}, {s.get('requests')} requests, mean {s.get('mean_tokens')} "
+             f"tokens, budget {s.get('budget')}, overhead {s.get('overhead_tokens')})", "",
+             "| path | req/s | max |Δp| vs stock | requests over own control |", "|---|---|---|---|"]
+    for name, rate in s.get("req_per_s", {}).items():
+        a = agreement.get(name, {})
+        lines.append(f"| {name} | {rate} | {a.get('max', '—')} | {a.get('over_own_control', '—')} |")
+    plans = {k: v for k, v in s.items() if k.startswith("plan_")}
+    return lines + ["", f"control (stock, SDPA math vs default) max |Δp|: {agreement.get('control_max')}; "
+                        f"plans (rows per batch): {json.dumps(plans)}; peak GPU GiB {s.get('peak_gpu_gib')}", ""]
 
 
 def _generate_markdown(g: Record) -> list[str]:

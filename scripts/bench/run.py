@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.bench import canary, edit, env, generate, systemone
+from scripts.bench import canary, edit, env, generate, s1batch, systemone
 from scripts.bench.common import Bench, Options
 from scripts.bench.models import Loaded, load_model
 
@@ -33,6 +33,7 @@ class Section:
 SECTIONS = {
     "env": Section(env.run, False, "versions, GPU, bf16 matmul and device-copy ceilings"),
     "systemone": Section(systemone.run, True, "SystemOne latency, stock vs fast paths, agreement"),
+    "s1batch": Section(s1batch.run, True, "SystemOne req/s on mixed lengths: one at a time vs length-aware batches"),
     "generate": Section(generate.run, True, "greedy generation tokens/s, stock vs fast decoder"),
     "edit": Section(edit.run, False, "blaze edit on the 9B fixture, stages timed"),
     "canary": Section(canary.run, False, "blaze canary on the edit's variant, timed"),
@@ -58,13 +59,23 @@ def parser() -> argparse.ArgumentParser:
                         "section's fixture), 'tiny', or a release folder")
     p.add_argument("--device", default="cuda", help="'cpu' with --model tiny: a smoke test of the script itself")
     p.add_argument("--num-layers", type=int, default=None, help="fixture layers for edit/canary (default 32)")
-    p.add_argument("--preset", default="9b", help="fixture preset for edit/canary ('tiny' for a CPU smoke test)")
+    p.add_argument("--preset", default="9b", help="fixture preset for edit/canary and --model edit-base: 9b, 27b ('tiny' for a CPU smoke test)")
     p.add_argument("--s1-tokens", type=int, default=1029, help="systemone: pad the invoice request to this")
     p.add_argument("--s1-repeats", type=int, default=60, help="systemone: timed requests per path")
     p.add_argument("--s1-warmup", type=int, default=5, help="systemone: untimed requests first")
     p.add_argument("--s1-agree", type=int, default=100, help="systemone: requests checked for answer agreement")
     p.add_argument("--s1-control", action="store_true",
                    help="systemone: compare the stock path with itself under SDPA's math kernel (rounding floor)")
+    p.add_argument("--s1b-requests", type=int, default=32, help="s1batch: requests of mixed lengths")
+    p.add_argument("--s1b-min", type=int, default=200, help="s1batch: shortest request (tokens)")
+    p.add_argument("--s1b-max", type=int, default=4000, help="s1batch: longest request (tokens)")
+    p.add_argument("--s1b-batches", type=_ints, default=(8, 32), help="s1batch: batch sizes (max rows)")
+    p.add_argument("--s1b-budget", type=int, default=8192, help="s1batch: padded tokens per batch")
+    p.add_argument("--s1b-overhead", type=int, default=256,
+                   help="s1batch: padding allowed per extra row (BatchingSettings.overhead_tokens)")
+    p.add_argument("--s1b-repeats", type=int, default=3, help="s1batch: timed passes per path")
+    p.add_argument("--s1b-count-batches", action="store_true",
+                   help="s1batch: also time the previous count-based batching (release forward per batch)")
     p.add_argument("--gen-tokens", type=int, default=64, help="generate: new tokens per prompt")
     p.add_argument("--gen-batches", type=_ints, default=(16,), help="generate: batch sizes after 1, e.g. 16")
     p.add_argument("--fast-extra-batches", type=_ints, default=(64,), help="generate: fast decoder only")
