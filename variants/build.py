@@ -58,6 +58,7 @@ class BuildOptions:
     threshold: float | None = None
     max_new_tokens: int | None = None
     budget: int | None = None
+    target_effect: float | None = None
     positions: str | None = None
     gate: dict[str, Any] = field(default_factory=dict)
     device: str | None = None
@@ -340,7 +341,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         evaluate = validation_evaluator(runtime, spec, s, thresholds, solve_patch=solve_patch,
                                         progress=opts.progress, batch_size=opts.batch_size)
         found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
-                       max_strength=STRENGTH_MAX, alternatives=alternatives(s), echo=echo)
+                       max_strength=STRENGTH_MAX, alternatives=alternatives(s), target_effect=s.target_effect,
+                       echo=echo)
         assert found.chosen is not None
         start = found.chosen.point
         stats = statistics(start.layers, start.kinds, start.method)

@@ -181,6 +181,10 @@ class EditSettings:
     budget: int = field(default=8, metadata=_opt(
         "`--strength auto`: most generation passes (one pass = one canary run on the validation prompts).",
         minimum=1))
+    target_effect: float = field(default=0.0, metadata=_opt(
+        "`--strength auto`: the effect the search aims at (e.g. 0.4 = a 40 % length cut). Among the points that "
+        "pass the gate it takes the weakest that reaches the target (less damage for what was asked); 0 or none "
+        "reached: the largest passing effect."))
     positions: str = field(default="auto", metadata=_opt(
         "Where directions are read: `auto` (shared_response when every pair contrasts two system prompts, "
         "else response), `response`, `shared_response`, `prompt_end`.", choices=POSITIONS))
@@ -231,7 +235,7 @@ def settings_problems(settings: EditSettings) -> list[str]:
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             problems.append(f"{name}: must be an integer ≥ {minimum}, got {value!r}")
-    for name in ("lam", "threshold"):
+    for name in ("lam", "threshold", "target_effect"):
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value) or value < 0:
             problems.append(f"{'lambda' if name == 'lam' else name}: must be a finite number ≥ 0, got {value!r}")
@@ -570,6 +574,7 @@ class _Validator:
             ("max_new_tokens", "max_new_tokens",
              lambda v: self.number(v, "defaults.max_new_tokens", minimum=1, integer=True)),
             ("budget", "budget", lambda v: self.number(v, "defaults.budget", minimum=1, integer=True)),
+            ("target_effect", "target_effect", lambda v: self.number(v, "defaults.target_effect", minimum=0)),
             ("positions", "positions", lambda v: self.choice(v, "defaults.positions", POSITIONS)),
         )
         out = {name: parse(raw[key]) for key, name, parse in parsers if key in raw}
