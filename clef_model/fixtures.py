@@ -34,7 +34,7 @@ from clef_model.errors import BlazeError
 from clef_model.files import JOINT_HEAD
 from clef_model.trust import RELEASE_CODE_FILE, import_release_code_file, vendored_release_code
 
-PRESETS = ("tiny", "9b")
+PRESETS = ("tiny", "9b", "27b")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -121,6 +121,34 @@ _VISION_9B = dict(
 )
 _HEAD_9B = dict(hidden_size=4096, width=1024, routing_layers=2, layers=2, heads=16, feedforward=4096, dropout=0.0)
 
+# Real Qwen3.5-27B shapes (issue 15, target 4: the larger Clef sibling). Sources, checked 2026-11-30:
+# - the published Qwen3.5-27B model cards (e.g. huggingface.co/TevunahAi/Qwen3.5-27B-TevunahAi-GPTQ, a
+#   quantisation of Qwen/Qwen3.5-27B): 64 decoder layers in 16 blocks of [3 Gated DeltaNet, 1 full
+#   attention], hidden 5120, MLP 17408, 24 query heads / 4 KV heads of head dim 256, vocabulary 248K,
+#   vision encoder of 27 layers, hidden 1152, patch 16, mRoPE sections [11, 11, 10], one MTP layer;
+# - the verbatim config.json of Qwen/Qwen3.6-27B (revision 6a9e13bd, same `qwen3_5` architecture and the
+#   same values for every field above), embedded in a public test file, for the fields the cards leave
+#   out: linear attention 16 key heads / 48 value heads of dim 128, conv kernel 4; vocab 248320; vision
+#   intermediate 4304, 16 heads, 2304 position embeddings, out_hidden_size 5120; rope theta 1e7, partial
+#   rotary 0.25. Modular MAX's Qwen3_5Config documents the same linear-attention defaults (16 / 48 / 128).
+# Qwen3.5-27B's own config.json was not in the searched corpus: the linear-attention and vision values
+# rest on its sibling's config (BENCHMARKS.md, "`--preset 27b`").
+_TEXT_27B = dict(
+    _TEXT_9B,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+)
+_VISION_27B = dict(_VISION_9B, out_hidden_size=5120)
+# The 27B Clef's joint head is not published: the 9B head's widths over the 27B hidden size (an assumption;
+# the head is < 0.1 % of the parameters and does not change the backbone's cost).
+_HEAD_27B = dict(_HEAD_9B, hidden_size=5120)
+
 _TEXT_TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -160,7 +188,7 @@ _HEAD_TINY = dict(hidden_size=64, width=32, routing_layers=1, layers=1, heads=2,
 _TOKENIZER_VOCAB = 3000  # trained BPE vocabulary (bytes + merges), before the special tokens
 _MODEL_VOCAB_TINY = 2048  # embedding rows: tokenizer size rounded up, like Qwen pads its vocabulary
 _MODEL_VOCAB_9B = 248320
-_SHARD_BYTES = {"tiny": 400_000, "9b": 5 * 10**9}
+_SHARD_BYTES = {"tiny": 400_000, "9b": 5 * 10**9, "27b": 5 * 10**9}
 _CHUNK_ELEMENTS = 1 << 24  # random values generated per chunk (64 MiB of float32)
 
 
@@ -237,9 +265,11 @@ def _write_tokenizer_and_processor(folder: Path) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------
 def _configs(preset: str, num_layers: int | None, ids: dict[str, int]) -> tuple[dict, dict]:
     """config.json and joint_head_config.json for a preset."""
-    text: dict[str, Any] = dict(_TEXT_9B if preset == "9b" else _TEXT_TINY)
-    vision = dict(_VISION_9B if preset == "9b" else _VISION_TINY)
-    head = dict(_HEAD_9B if preset == "9b" else _HEAD_TINY)
+    shapes = {"tiny": (_TEXT_TINY, _VISION_TINY, _HEAD_TINY), "9b": (_TEXT_9B, _VISION_9B, _HEAD_9B),
+              "27b": (_TEXT_27B, _VISION_27B, _HEAD_27B)}[preset]
+    text: dict[str, Any] = dict(shapes[0])
+    vision = dict(shapes[1])
+    head = dict(shapes[2])
     layers = text["num_hidden_layers"] if num_layers is None else num_layers
     if layers < 1:
         raise BlazeError(f"--num-layers must be at least 1 (got {layers}).")
@@ -248,7 +278,7 @@ def _configs(preset: str, num_layers: int | None, ids: dict[str, int]) -> tuple[
     text["num_hidden_layers"] = layers
     text.update(
         model_type="qwen3_5_text",
-        vocab_size=_MODEL_VOCAB_9B if preset == "9b" else _MODEL_VOCAB_TINY,
+        vocab_size=_MODEL_VOCAB_TINY if preset == "tiny" else _MODEL_VOCAB_9B,
         layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
         full_attention_interval=4,
         attn_output_gate=True,
@@ -491,7 +521,7 @@ def build_fixture(
 ) -> Path:
     """Build a random-weight Clef-Flash release folder at `out` and return its path.
 
-    `preset` is "tiny" or "9b"; `num_layers` keeps only the first N decoder layers; the same `seed`
+    `preset` is "tiny", "9b" or "27b"; `num_layers` keeps only the first N decoder layers; the same `seed`
     gives byte-identical files. A non-empty `out` is refused unless `force`.
     """
     if preset not in PRESETS:

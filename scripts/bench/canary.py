@@ -13,13 +13,14 @@ from scripts.bench.common import (
     run_cli,
     timed_runtime_load,
 )
-from scripts.bench.models import base_folder
+from scripts.bench.models import base_folder, variant_folder
 
 
 def run(bench: Bench) -> None:
     """Time ``blaze canary`` (fast paths on; then off with ``--canary-stock``), load time apart."""
     workdir = bench.options.workdir
-    argv = ["canary", str(workdir / "variant"), "--against", str(base_folder(bench.options)), *bench.options.canary_args]
+    argv = ["canary", str(variant_folder(bench.options)), "--against", str(base_folder(bench.options)),
+            *bench.options.canary_args]
     runs = [("fast", None)] + ([("stock", "0")] if bench.options.canary_stock else [])
     for label, setting in runs:
         stages: dict[str, float] = {}

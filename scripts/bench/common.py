@@ -32,6 +32,7 @@ class Options:
 
     out: Path
     workdir: Path
+    variant_dir: Path | None
     sections: tuple[str, ...]
     model: str
     device: str

@@ -33,7 +33,7 @@ from scripts.bench.common import (
     timed,
     timed_runtime_load,
 )
-from scripts.bench.models import base_folder
+from scripts.bench.models import base_folder, variant_folder
 
 RELAXED_GATE = {"effect": "none", "min_effect": 0.0, "max_first_token_kl": 1e9, "max_mean_token_kl": 1e9,
                 "max_loop_rate": 1.0, "max_limit_rate": 1.0, "max_empty_rate": 1.0, "max_decision_drift": 1e9,
@@ -155,7 +155,7 @@ def run(bench: Bench) -> None:
     if bench.device == "cuda" and not options.skip_jit_warm:  # fla's Triton kernels compile on first use
         out["triton_jit_warm_s"] = round(timed(warm_fla)[1], 1)
         bench.say(f"fla JIT warm-up {out['triton_jit_warm_s']}s")
-    variant = options.workdir / "variant"
+    variant = variant_folder(options)
     behavior = str(relaxed_spec(options.workdir, grid=options.grid)) if options.relaxed_gate else "verbosity"
     out["gate"] = "relaxed (every grid point passes; timing only)" if options.relaxed_gate else "the spec's"
     argv = ["edit", "--behavior", behavior, "--base", str(base), "--out", str(variant), "--force",

@@ -50,6 +50,11 @@ def base_folder(options: Any) -> Path:
     return options.workdir / f"base{options.preset}"
 
 
+def variant_folder(options: Any) -> Path:
+    """Where the edit section writes its variant and the canary section reads it (``--variant-dir``)."""
+    return options.variant_dir or options.workdir / "variant"
+
+
 def build_base(bench: Bench, folder: Path) -> float:
     """Build the ``--preset`` fixture (``--num-layers``) at ``folder``; log and return the seconds."""
     from clef_model.fixtures import build_fixture

@@ -20,6 +20,7 @@ class Results:
 
     env: Record | None = None
     load_s: dict[str, float] = field(default_factory=dict)  # model label -> seconds to load it
+    peak_gpu_gib: dict[str, float] = field(default_factory=dict)  # section -> torch.cuda.max_memory_allocated
     systemone: Record | None = None
     s1batch: Record | None = None
     generate: Record | None = None
@@ -35,6 +36,8 @@ class Results:
                 data[key] = getattr(self, key)
         if self.load_s:
             data["load_s"] = self.load_s
+        if self.peak_gpu_gib:
+            data["peak_gpu_gib"] = self.peak_gpu_gib
         for label, record in self.canary.items():
             data[f"canary_{label}"] = record
         if self.errors:
@@ -53,6 +56,8 @@ class Results:
                    f"fla {env.get('fla')}; {env.get('date_utc')}; ceilings {env.get('bf16_matmul_tflops')} TFLOP/s "
                    f"bf16, {env.get('copy_tb_s')} TB/s copy.")
         lines += [machine, ""]
+        if self.peak_gpu_gib:
+            lines += [f"Peak GPU memory per section (GiB, torch.cuda.max_memory_allocated): {json.dumps(self.peak_gpu_gib)}", ""]
         if self.systemone is not None:
             lines += _systemone_markdown(self.systemone)
         if self.s1batch is not None:

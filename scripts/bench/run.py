@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md, log.txt")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/blaze-bench"), help="fixtures and variants")
+    p.add_argument("--variant-dir", type=Path, default=None,
+                   help="edit/canary: the variant's folder (default WORKDIR/variant); e.g. on /dev/shm when the "
+                        "disk cannot hold base and variant (the 27b fixture is 55.6 GB)")
     p.add_argument("--sections", default="env,systemone,generate", help="comma separated, run in this order")
     p.add_argument("--model", default="random9b",
                    help="systemone/generate: 'random9b' (9B shapes in GPU memory), 'edit-base' (the edit "
@@ -106,6 +109,22 @@ def parse(argv: Sequence[str] | None = None) -> Options:
     return Options(**values)
 
 
+def _reset_peak() -> None:
+    """Start a section's peak GPU memory count (no-op without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _record_peak(bench: Bench, name: str) -> None:
+    """Record the section's peak GPU memory (weights of a model loaded earlier included)."""
+    import torch
+
+    if torch.cuda.is_available():
+        bench.results.peak_gpu_gib[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the chosen sections; results are written after each one and at the end."""
     options = parse(argv)
@@ -117,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name in options.sections:
             section = SECTIONS[name]
             bench.say(f"=== {name}")
+            _reset_peak()
             try:
                 if section.needs_model:
                     loaded = loaded or load_model(bench)
@@ -126,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             except Exception:  # noqa: BLE001 - one failed section must not lose the others' numbers
                 bench.results.errors[name] = traceback.format_exc()
                 bench.say(f"section {name} FAILED:\n{traceback.format_exc()}")
+            _record_peak(bench, name)
             bench.write()
     finally:
         bench.write()

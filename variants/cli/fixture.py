@@ -11,8 +11,9 @@ from clef_model.errors import BlazeError
 
 @click.command("fixture")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--preset", type=click.Choice(["tiny", "9b", "decisions"]), default="tiny", show_default=True,
+@click.option("--preset", type=click.Choice(["tiny", "9b", "27b", "decisions"]), default="tiny", show_default=True,
               help="tiny: small widths, runs anywhere in seconds; 9b: the real Qwen3.5-9B shapes (≈19.3 GB); "
+                   "27b: the real Qwen3.5-27B shapes (≈55.6 GB; needs that much free disk); "
                    "decisions: the tiny release with trained typed decisions (clef-finetune) and a held-out "
                    "labelled decision_eval.jsonl (first build ≤ 3 min on CPU, then cached).")
 @click.option("--num-layers", default=None, type=click.IntRange(min=1),
