@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION_MODULES = ["env", "systemone", "s1batch", "generate", "edit", "canary"]
+SECTION_MODULES = ["env", "systemone", "s1batch", "generate", "decodeprof", "edit", "canary"]
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_every_section_imports_on_cpu_and_is_registered(bench_run) -> None:
         assert callable(module.run)
         assert bench_run.SECTIONS[name].run is module.run
     assert set(bench_run.SECTIONS) == set(SECTION_MODULES)
-    assert [n for n, s in bench_run.SECTIONS.items() if s.needs_model] == ["systemone", "s1batch", "generate"]
+    assert [n for n, s in bench_run.SECTIONS.items() if s.needs_model] == ["systemone", "s1batch", "generate", "decodeprof"]
 
 
 def test_command_line_is_typed_and_checked(bench_run, tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ class Options:
     s1b_overhead: int
     s1b_repeats: int
     s1b_count_batches: bool
+    prof_steps: int
     gen_tokens: int
     gen_batches: tuple[int, ...]
     fast_extra_batches: tuple[int, ...]

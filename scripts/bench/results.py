@@ -23,6 +23,7 @@ class Results:
     peak_gpu_gib: dict[str, float] = field(default_factory=dict)  # section -> torch.cuda.max_memory_allocated
     systemone: Record | None = None
     s1batch: Record | None = None
+    decode_profile: Record | None = None
     generate: Record | None = None
     edit: Record | None = None
     canary: dict[str, Record] = field(default_factory=dict)  # "fast" / "stock" -> that canary run
@@ -31,7 +32,7 @@ class Results:
     def to_dict(self) -> Record:
         """The results as ``results.json`` holds them (sections that did not run are left out)."""
         data: Record = {}
-        for key in ("env", "systemone", "s1batch", "generate", "edit"):
+        for key in ("env", "systemone", "s1batch", "generate", "decode_profile", "edit"):
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         if self.load_s:
@@ -64,7 +65,7 @@ class Results:
             lines += _s1batch_markdown(self.s1batch)
         if self.generate is not None:
             lines += _generate_markdown(self.generate)
-        others = {"edit": self.edit, **{f"canary_{label}": record for label, record in self.canary.items()}}
+        others = {"decode_profile": self.decode_profile, "edit": self.edit, **{f"canary_{label}": record for label, record in self.canary.items()}}
         for key, record in others.items():
             if record is not None:
                 lines += [f"## {key}", "", "```json", json.dumps(record, indent=1), "```", ""]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.bench import canary, edit, env, generate, s1batch, systemone
+from scripts.bench import canary, decodeprof, edit, env, generate, s1batch, systemone
 from scripts.bench.common import Bench, Options
 from scripts.bench.models import Loaded, load_model
 
@@ -35,6 +35,7 @@ SECTIONS = {
     "systemone": Section(systemone.run, True, "SystemOne latency, stock vs fast paths, agreement"),
     "s1batch": Section(s1batch.run, True, "SystemOne req/s on mixed lengths: one at a time vs length-aware batches"),
     "generate": Section(generate.run, True, "greedy generation tokens/s, stock vs fast decoder"),
+    "decodeprof": Section(decodeprof.run, True, "batch-1 decode step: replay ms vs floor, kernels by category"),
     "edit": Section(edit.run, False, "blaze edit on the 9B fixture, stages timed"),
     "canary": Section(canary.run, False, "blaze canary on the edit's variant, timed"),
 }
@@ -79,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--s1b-repeats", type=int, default=3, help="s1batch: timed passes per path")
     p.add_argument("--s1b-count-batches", action="store_true",
                    help="s1batch: also time the previous count-based batching (release forward per batch)")
+    p.add_argument("--prof-steps", type=int, default=200, help="decodeprof: timed graph replays")
     p.add_argument("--gen-tokens", type=int, default=64, help="generate: new tokens per prompt")
     p.add_argument("--gen-batches", type=_ints, default=(16,), help="generate: batch sizes after 1, e.g. 16")
     p.add_argument("--fast-extra-batches", type=_ints, default=(64,), help="generate: fast decoder only")
