@@ -27,7 +27,7 @@ from canaries.suites import neutral_prompts as default_neutral_prompts
 from canaries.suites import neutral_texts as default_neutral_texts
 
 __all__ = ["ModelView", "run_canary", "run_sequential", "check_integrity", "default_decision_suite", "to_markdown",
-           "print_report", "freeform_suite", "collect_side", "CanarySuite"]
+           "print_report", "freeform_suite", "collect_side", "CanarySuite", "run_freeform"]
 
 DEFAULT_DAMAGE_TOKENS = 32
 
@@ -214,6 +214,28 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
     variant_side = collect_side(variant, suite, settings, reference=base_side, progress=progress)
     return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
                         settings=settings, labels=(base.label, variant.label), prompted=prompted)
+
+
+def run_freeform(variant: ModelView, base: ModelView, *, freeform_prompts: list[dict[str, Any]],
+                 max_new_tokens: int = 96, batch_size: int = 16, quality: str | None = None,
+                 base_cache: BaseCache | None = None, base_key: str | None = None) -> dict[str, Any]:
+    """The free-form section alone (`canaries.freeform.compare_answers`): both models' greedy answers to
+    `freeform_prompts`, the base's from `base_cache` when there. No damage, decision or gate pass: for
+    checks that read only the answers, such as the strength search's loop check, where those passes
+    would be spent and thrown away. Same answers as the free-form part of `run_canary` with the same
+    prompts, `max_new_tokens` and `batch_size` (same batches, same greedy decode)."""
+    items = _suite(freeform_prompts, None, [], [], False)["freeform"]
+    settings = _settings(max_new_tokens, batch_size, 0, base.runtime)
+
+    def answers(view: ModelView) -> dict[str, Any]:
+        with view.activate():
+            generations = view.runtime.generate([item["prompt"] for item in items], max_new_tokens=max_new_tokens,
+                                                batch_size=batch_size)
+        return {"generations": [freeform_mod.generation_dict(g) for g in generations]}
+
+    identity = base_key or f"runtime-{id(base.runtime)}"
+    base_side = _cached(base_cache, cache_key(identity, {"freeform_only": items}, settings), lambda: answers(base))
+    return freeform_mod.compare_answers(items, base_side["generations"], answers(variant)["generations"], quality)
 
 
 def _cached(cache: BaseCache | None, key: str, compute: Callable[[], dict]) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -39,6 +40,26 @@ class Generation:
     new_tokens: int  # generated tokens, not counting the stop token
     token_ids: list[int]  # the generated ids, without the stop token
     hit_limit: bool  # stopped because max_new_tokens was reached, not at a stop token
+
+
+@dataclass
+class GenerationStats:
+    """What `Runtime.generate` has done so far: calls, answers, new tokens, decode steps and seconds.
+
+    Kept so `blaze edit` can say where its time went (its timing line) without a profiler: on a CPU the
+    generation passes of the strength search and the canaries are most of an edit after the statistics.
+    """
+
+    calls: int = 0
+    answers: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # decode steps summed over batches (a batch runs until its longest answer ends)
+    seconds: float = 0.0
+
+    def text(self) -> str:
+        """``generated 130 answers (6,210 tokens, 1,152 batch steps) in 88.0 s``."""
+        return (f"generated {self.answers} answers ({self.new_tokens:,} tokens, {self.steps:,} batch steps) "
+                f"in {self.seconds:.1f} s")
 
 
 def default_device() -> torch.device:
@@ -129,6 +150,7 @@ class Runtime:
         self._chat_template = self._read_chat_template()
         self._named_linears: dict[str, torch.nn.Linear] | None = None
         self.warnings: list[str] = []  # things a report should mention (e.g. a state cut to fit)
+        self.generation_stats = GenerationStats()  # counters of `generate` (blaze edit's timing line)
 
     # -- loading ---------------------------------------------------------------------------------------
     @classmethod
@@ -377,6 +399,7 @@ class Runtime:
         pad = self._pad_id()
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         results: list[Generation | None] = [None] * len(encoded)
+        started = time.perf_counter()
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             width = max(len(encoded[i]) for i in chunk)
@@ -402,6 +425,7 @@ class Runtime:
                     pad_token_id=pad,
                 )
                 rows = [output[row, width:].tolist() for row in range(len(chunk))]
+            self.generation_stats.steps += max(len(new) for new in rows)
             for row, i in enumerate(chunk):
                 new = rows[row]
                 stop_at = next((k for k, token in enumerate(new) if token in stops), None)
@@ -413,6 +437,10 @@ class Runtime:
                     token_ids=kept,
                     hit_limit=stop_at is None and len(new) >= max_new_tokens,
                 )
+                self.generation_stats.new_tokens += len(kept)
+        counts = self.generation_stats
+        counts.calls, counts.answers = counts.calls + 1, counts.answers + len(encoded)
+        counts.seconds += time.perf_counter() - started
         return results  # type: ignore[return-value]
 
     # -- module access for surgery --------------------------------------------------------------------

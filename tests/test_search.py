@@ -156,7 +156,11 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
                 "freeform": {"summary": {"loop_rate": {"new": loops}, "hit_limit_rate": {"new": 0.0},
                                          "empty_rate": {"new": 0.0}}}}
 
+    def fake_run_freeform(view, base, *, freeform_prompts, base_key, **kwargs):   # the loop check: answers only
+        return fake_run_canary(view, base, freeform_prompts=freeform_prompts, base_key=base_key, **kwargs)["freeform"]
+
     monkeypatch.setattr(canaries.run, "run_canary", fake_run_canary)
+    monkeypatch.setattr(canaries.run, "run_freeform", fake_run_freeform)
 
     class Patch:
         def applied(self, _runtime):

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from surgery.patch import Patch
     from surgery.statistics import PreserveSet, Statistics
     from variants.spec import BehaviorSpec, EditSettings
+    from variants.timing import StageTimes
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -90,6 +91,7 @@ class BuildResult:
     canary: dict | None = None
     summary: str = ""
     search: SearchResult | None = None
+    timings: StageTimes | None = None
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -171,12 +173,14 @@ def search_row(point: Point, report: dict) -> Row:
 
 def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSettings, thresholds: Thresholds, *,
                          solve_patch: Callable[[Point], Any], progress: bool = True,
-                         batch_size: int = 8) -> Callable[[Point], Row]:
+                         batch_size: int = 8, echo: Callable[[str], None] = lambda _m: None) -> Callable[[Point], Row]:
     """A function point → row: solve, apply in memory, run the canary on the spec's validation split
-    against the unedited model (whose answers are generated once and cached). Held-out items never enter."""
+    against the unedited model (whose answers are generated once and cached). Held-out items never enter.
+    The loop check generates answers only (`canaries.run.run_freeform`): it reads no damage figure, so the
+    damage passes a full canary would add are not run. ``echo`` gets each point's seconds."""
     from canaries.cache import MemoryCache
     from canaries.handles import ModelView
-    from canaries.run import freeform_suite, run_canary
+    from canaries.run import freeform_suite, run_canary, run_freeform
 
     items = spec.validation_items()
     if not items:
@@ -190,6 +194,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
     checked: dict[tuple, float] = {}   # setting → strongest strength that passed the loop check
 
     def evaluate(point: Point) -> Row:
+        started = time.perf_counter()
         patch = solve_patch(point)
         view = ModelView(runtime, activate=lambda: patch.applied(runtime), label=point.label())
         report = run_canary(view, base, freeform_prompts=prompts, thresholds=thresholds, quality=spec.quality,
@@ -197,12 +202,14 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
                             base_cache=cache, base_key="search-base")
         row = search_row(point, report)
         setting = (point.method, point.lam, point.layers, point.kinds)
+        validated = time.perf_counter()
         if not row.passed or not check or point.strength <= checked.get(setting, -1.0):
+            echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s")
             return row
-        report = run_canary(view, base, freeform_prompts=check, thresholds=thresholds, quality=None,
-                            max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
-                            base_cache=cache, base_key="search-loop-check")
-        free = report["freeform"]["summary"]
+        free = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
+                            batch_size=batch_size, base_cache=cache, base_key="search-loop-check")["summary"]
+        echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s, loop check on "
+             f"{len(check)} questions {time.perf_counter() - validated:.1f} s")
         rates = {"check_loops": free["loop_rate"]["new"], "check_limit": free["hit_limit_rate"]["new"],
                  "check_empty": free["empty_rate"]["new"]}
         bad = rates["check_loops"] > thresholds.max_loop_rate or rates["check_empty"] > thresholds.max_empty_rate \
@@ -269,8 +276,10 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     )
     from surgery.patch import base_identity
     from variants.spec import load_behavior
+    from variants.timing import StageTimes
 
     started = time.perf_counter()
+    times = StageTimes()  # per-stage wall/CPU seconds for the timing line (issue 11: the search's cost)
     out = Path(opts.out)
     from clef_model.outputs import check_output
 
@@ -294,6 +303,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     echo(f"data: {len(pairs)} contrast pairs, preserve {len(keep.texts)} chat prompts + "
          f"{len(keep.requests)} typed-decision requests")
     echo(f"directions read at: {s.positions}")
+    times.mark("load")
     collected: dict[tuple[str, ...], Any] = {}
     identities: dict[tuple[str, str], dict] = {}
 
@@ -318,6 +328,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         return collected[layers, kinds]
 
     stats = statistics(s.layers, s.kinds_text, s.method)
+    times.mark("statistics")
     weights = weights_from_runtime(runtime)
     common = {"behavior": spec.name, "spec_hash": spec.spec_hash, "spec_version": spec.version}
 
@@ -339,7 +350,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         echo(f"strength auto: adaptive search from {start.strength:g} on {len(spec.validation_items())} "
              f"validation prompts, at most {s.budget} generation passes")
         evaluate = validation_evaluator(runtime, spec, s, thresholds, solve_patch=solve_patch,
-                                        progress=opts.progress, batch_size=opts.batch_size)
+                                        progress=opts.progress, batch_size=opts.batch_size, echo=echo)
         found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
                        max_strength=STRENGTH_MAX, alternatives=alternatives(s), target_effect=s.target_effect,
                        echo=echo)
@@ -352,6 +363,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     choice = {"strength": strength, "strength_mode": "auto" if found else "fixed", "sweep": sweep,
               **({"search": found.to_dict()} if found else {})}
     patch = solve_patch(start, choice)
+    times.mark("search" if found else "solve")
 
     report = None
     extra_files: Any = None
@@ -365,6 +377,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                             thresholds=thresholds, quality=spec.quality,
                             max_new_tokens=s.max_new_tokens, progress=opts.progress, batch_size=opts.batch_size,
                             prompted_system=spec.wanted_system_prompt())  # the prompted ceiling: final canary only
+        times.mark("final canary")
         def extra_files(folder: Path) -> dict[str, bytes]:
             """Integrity of the written (not yet renamed) folder against the base, then the final gate."""
             from canaries.gate import evaluate
@@ -390,12 +403,14 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
 
     written = write_variant(runtime.release, patch, out, force=opts.force, manifest_extra=manifest_extra,
                             progress=opts.progress, extra_files=extra_files)
+    times.mark("write + integrity" if opts.canary else "write")
     if opts.export_lora:
         from surgery.lora import export_lora
 
         export_lora(patch, runtime.release, Path(opts.export_lora), force=opts.force)
         echo(f"LoRA adapter: {opts.export_lora}")
     seconds = time.perf_counter() - started
+    generated = getattr(runtime, "generation_stats", None)
     rels = [i.get("rel_change") for i in patch.metadata["targets"].values() if i.get("rel_change") is not None]
     search_lines = [] if found is None else [
         f"strength search ({found.passes} of {found.budget} generation passes; {found.stopped}):",
@@ -407,7 +422,9 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         f"strength {strength:g} ({choice['strength_mode']}), λ {start.lam:g}",
         f"relative change ‖ΔW‖/‖W‖: max {max(rels, default=0):.2e}, mean {sum(rels) / max(len(rels), 1):.2e}",
         f"wrote {written} ({_folder_bytes(written) / 1e6:.1f} MB) in {seconds:.0f} s",
+        times.summary() + ("" if found is None else f"; search {found.passes} generation passes"),
+        *([] if generated is None else [f"{generated.text()} (search + canaries)"]),
     ])
     echo(summary)
     return BuildResult(out=written, patch=patch, strength=strength, sweep=sweep, canary=report, summary=summary,
-                       search=found)
+                       search=found, timings=times)
