@@ -11,20 +11,23 @@
 #
 # Disk: the fixture is 55.6 GB and the device disk 64 GiB, so a variant (another 55.6 GB) cannot sit next to
 # the base. The edit writes its variant to /dev/shm when that has room (it is RAM: 128 GiB on the device);
-# otherwise to the disk, where the write stops at "no space left" after load, statistics and solve are timed,
-# and the partial variant is deleted. blaze has no patch-only edit (`blaze edit` always writes a variant).
+# otherwise to the disk, where the write stops at "no space left" after load, statistics and solve are timed
+# (blaze then removes its partial output). blaze has no patch-only edit (`blaze edit` always writes a variant).
 set -euo pipefail
 stage=${1:?"stage: serve | edit | canary"}
 out=${2:?"output folder"}
 work=${BLAZE_BENCH_WORK:-/tmp/bench27}
 export BLAZE_QUIET=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BLAZE_CACHE=${BLAZE_CACHE:-$work/cache}
 mkdir -p "$work" "$out"
-df -B1 "$work" /dev/shm | tee "$out/disk.txt"
-common=(--workdir "$work" --preset 27b --model edit-base)
+df -B1 "$work" /dev/shm 2>&1 | tee "$out/disk.txt" || true
+# BLAZE_BENCH_PRESET / BLAZE_BENCH_ARGS: a smoke test of the script itself, e.g. tiny + "--device cpu"
+read -r -a extra <<< "${BLAZE_BENCH_ARGS:-}"
+common=(--workdir "$work" --preset "${BLAZE_BENCH_PRESET:-27b}" --model edit-base "${extra[@]}")
 limit=${BLAZE_BENCH_LIMIT_S:-585}
 
 variant=$work/variant
-if [ -d /dev/shm/variant27b ] || [ "$(df -B1 --output=avail /dev/shm | tail -1)" -gt 58000000000 ]; then
+shm_free=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 || true)
+if [ -d /dev/shm/variant27b ] || [ "${shm_free:-0}" -gt 58000000000 ] 2>/dev/null; then
     variant=/dev/shm/variant27b
 fi
 
@@ -37,8 +40,8 @@ edit)
     echo "variant folder: $variant" | tee -a "$out/disk.txt"
     timeout -s INT "$limit" python3 -m scripts.bench --out "$out" "${common[@]}" --variant-dir "$variant" \
         --sections edit --edit-args "--strength 0.15 --no-canary" || echo "exit $?"
-    if [ "$variant" = "$work/variant" ]; then rm -rf "$work/variant" "$work"/.variant*; fi
-    df -B1 "$work" /dev/shm | tee -a "$out/disk.txt"
+    rm -rf "$work"/.variant.tmp-*  # a write stopped by a full disk or the time limit (blaze removes it itself on errors)
+    df -B1 "$work" /dev/shm 2>&1 | tee -a "$out/disk.txt" || true
     ;;
 canary)
     timeout -s INT "$limit" python3 -m scripts.bench --out "$out" "${common[@]}" --variant-dir "$variant" \

@@ -1,7 +1,8 @@
 """Section ``s1batch``: SystemOne throughput on requests of mixed lengths, one at a time vs length-aware batches.
 
 Issue 15, target 2. ``--s1b-requests`` requests (default 32) of lengths drawn uniformly from
-``--s1b-min``–``--s1b-max`` tokens (the model card's invoice request, its ``notes`` grown to each length),
+``--s1b-min``–``--s1b-max`` tokens (the canary suite's typed-decision requests, each state grown with a
+``notes`` field to its length),
 answered in one process by:
 
 - ``stock``: the release's own ``systemone``, one request at a time (``BLAZE_FAST=0``);
@@ -20,6 +21,7 @@ math). A path passes when no request moves further than the largest control figu
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from collections.abc import Callable
@@ -29,15 +31,56 @@ import torch
 
 from scripts.bench.common import Bench, fast_setting, free_gpu, timed
 from scripts.bench.models import Loaded
-from scripts.bench.systemone import invoice_request, max_abs_diff
+from scripts.bench.systemone import max_abs_diff
+
+PHRASE = "Line item: consulting services, billed monthly. "
+
+
+def _with_notes(request: dict, repeats: int) -> dict:
+    """``request`` with a ``notes`` field of ``repeats`` phrases in its state (a dict state gets a key)."""
+    out = json.loads(json.dumps(request))
+    if isinstance(out["state"], dict):
+        out["state"]["notes"] = PHRASE * repeats
+    else:
+        out["state"] = f"{out['state']}\n{PHRASE * repeats}"
+    return out
+
+
+def grown_request(tokenizer: Any, code: Any, request: dict, target: int) -> tuple[dict, int]:
+    """The shortest growth of ``request``'s notes that reaches ``target`` tokens (binary search on phrases)."""
+    def length(repeats: int) -> int:
+        return len(code.encode_record(tokenizer, _with_notes(request, repeats)).input_ids)
+
+    low, high = 0, 1
+    while length(high) < target and high < 1 << 14:
+        low, high = high, high * 2
+    while low < high:
+        middle = (low + high) // 2
+        if length(middle) >= target:
+            high = middle
+        else:
+            low = middle + 1
+    return _with_notes(request, high), length(high)
 
 
 def mixed_requests(loaded: Loaded, count: int, low: int, high: int, seed: int = 0) -> tuple[list[dict], list[int]]:
-    """``count`` invoice requests with lengths drawn uniformly from [low, high] tokens (fixed seed)."""
+    """``count`` requests with lengths drawn uniformly from [low, high] tokens (fixed seed).
+
+    Each is one of the canary suite's text-only typed-decision requests (chosen at random among those
+    shorter than its target), its state grown with a ``notes`` field to the target length; a target below
+    every request's own length gets the shortest request as it is.
+    """
+    from canaries.suites import default_decision_suite
+
     rng = random.Random(seed)
+    suite = [{k: v for k, v in r.items() if k in ("model", "state", "questions")}
+             for r in default_decision_suite() if not r.get("images") and not r.get("videos")]
+    sized = sorted(((len(loaded.code.encode_record(loaded.tokenizer, r).input_ids), i) for i, r in enumerate(suite)))
     requests, lengths = [], []
     for _ in range(count):
-        request, tokens = invoice_request(loaded.tokenizer, loaded.code, rng.randint(low, high))
+        target = rng.randint(low, high)
+        fitting = [i for size, i in sized if size <= target] or [sized[0][1]]
+        request, tokens = grown_request(loaded.tokenizer, loaded.code, suite[rng.choice(fitting)], target)
         requests.append(request)
         lengths.append(tokens)
     return requests, lengths
