@@ -49,6 +49,7 @@ class Options:
     s1b_batches: tuple[int, ...]
     s1b_budget: int
     s1b_overhead: int
+    s1b_graph_tokens: int
     s1b_repeats: int
     s1b_count_batches: bool
     prof_steps: int

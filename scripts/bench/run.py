@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--s1b-budget", type=int, default=8192, help="s1batch: padded tokens per batch")
     p.add_argument("--s1b-overhead", type=int, default=256,
                    help="s1batch: padding allowed per extra row (BatchingSettings.overhead_tokens)")
+    p.add_argument("--s1b-graph-tokens", type=int, default=2048,
+                   help="s1batch: largest padded batch replayed from a CUDA graph (BatchingSettings.graph_tokens)")
     p.add_argument("--s1b-repeats", type=int, default=3, help="s1batch: timed passes per path")
     p.add_argument("--s1b-count-batches", action="store_true",
                    help="s1batch: also time the previous count-based batching (release forward per batch)")

@@ -124,7 +124,8 @@ def _paths(bench: Bench, loaded: Loaded, requests: list[dict], lengths: list[int
 
     paths: dict[str, Callable[[], Any]] = {"stock": stock, "blaze_single": blaze_single}
     for size in options.s1b_batches:
-        settings = BatchingSettings(max_rows=size, token_budget=options.s1b_budget, overhead_tokens=options.s1b_overhead)
+        settings = BatchingSettings(max_rows=size, token_budget=options.s1b_budget, overhead_tokens=options.s1b_overhead,
+                                    graph_tokens=options.s1b_graph_tokens)
         paths[f"blaze_batch{size}"] = batched(settings)
         out[f"plan_batch{size}"] = [len(b) for b in plan_batches(lengths, settings)]
     if options.s1b_count_batches:
@@ -142,7 +143,7 @@ def run(bench: Bench, loaded: Loaded) -> None:
     requests, lengths = mixed_requests(loaded, options.s1b_requests, options.s1b_min, options.s1b_max)
     out: dict[str, Any] = {"model": loaded.label, "requests": len(requests), "lengths": lengths,
                            "mean_tokens": round(statistics.mean(lengths)), "budget": options.s1b_budget,
-                           "overhead_tokens": options.s1b_overhead}
+                           "overhead_tokens": options.s1b_overhead, "graph_tokens": options.s1b_graph_tokens}
     bench.say(f"s1batch: {len(requests)} requests, {min(lengths)}–{max(lengths)} tokens (mean {out['mean_tokens']})")
     paths = _paths(bench, loaded, requests, lengths, out)
     if torch.cuda.is_available():
