@@ -102,17 +102,50 @@ QUESTIONS: dict[str, dict[str, Any]] = {
     },
 }
 
-# -- state vocabularies (train and eval use disjoint name lists) --------------------------------------
-_VENDORS = (
-    ["Acme", "Northwind", "Globex", "Initech", "Umbrella", "Stark Supply", "Wayne Paper", "Hooli", "Vandelay",
-     "Soylent", "Tyrell", "Cyberdyne", "Gringotts", "Oscorp"],
-    ["Wonka", "Duff", "Monarch", "Pied Piper", "Blue Sun", "Aperture"],
-)
-_CUSTOMERS = (
-    ["Ana", "Ben", "Chloe", "Dev", "Emre", "Fatima", "Goran", "Hana", "Ivan", "Jonas", "Kemal", "Lina", "Mateo",
-     "Nora", "Omar", "Priya"],
-    ["Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor"],
-)
+# -- state vocabularies -------------------------------------------------------------------------------
+# Names and ids carry no decision information, so the head must learn to ignore them. The training split draws
+# them from a large synthetic pool (syllable names, random ids) so that it sees many of them; the dev and eval
+# splits use short fixed lists that the training pool never produces (a small, tiny-backbone version of "new
+# customers in production"). Ids are random numbers in every split (an id's prefix never tells the split).
+_HELDOUT_VENDORS = {
+    "dev": ["Mooncake", "Brightline", "Kestrel Foods", "Orbitz Paper", "Quartzly", "Zephyr Tools"],
+    "eval": ["Wonka", "Duff", "Monarch", "Pied Piper", "Blue Sun", "Aperture"],
+}
+_HELDOUT_CUSTOMERS = {
+    "dev": ["Wanda", "Xavier", "Yusuf", "Zoe", "Amara", "Bruno"],
+    "eval": ["Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor"],
+}
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ra", "so", "ti", "ve", "da", "gu", "ha", "jo", "be", "fi", "pa", "ze",
+              "an", "el", "or", "us", "ik", "em", "al", "in"]
+_VENDOR_SUFFIXES = ["", "", " Ltd", " GmbH", " Inc", " & Co", " Supply", " Group"]
+SPLITS = ("train", "dev", "eval")
+
+
+def _synthetic_name(rng: random.Random, split: str) -> str:
+    """A training split's name: 2-3 random syllables, never one of the dev or eval names."""
+    held = {name.lower() for names in (*_HELDOUT_VENDORS.values(), *_HELDOUT_CUSTOMERS.values()) for name in names}
+    while True:
+        name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        if name.lower() not in held:
+            return name
+
+
+def _customer(rng: random.Random, split: str) -> str:
+    if split == "train":
+        return _synthetic_name(rng, split)
+    return rng.choice(_HELDOUT_CUSTOMERS[split])
+
+
+def _vendor(rng: random.Random, split: str) -> str:
+    if split == "train":
+        return _synthetic_name(rng, split) + rng.choice(_VENDOR_SUFFIXES)
+    return rng.choice(_HELDOUT_VENDORS[split])
+
+
+def _number(rng: random.Random) -> str:
+    return f"{rng.randrange(10_000, 1_000_000):06d}"
+
+
 _STATUS_NOTES = {
     "paid": ["Payment received, thank you.", "Settled by bank transfer."],
     "overdue": ["Reminder sent twice.", "Due date passed last week."],
@@ -174,12 +207,12 @@ def _pick_questions(rng: random.Random, qids: list[str]) -> list[str]:
     return chosen
 
 
-def _invoice(rng: random.Random, split: int, index: int) -> dict[str, Any]:
+def _invoice(rng: random.Random, split: str, index: int) -> dict[str, Any]:
     status = rng.choice(list(INVOICE_STATUS))
     state = {
         "invoice": {
-            "number": f"INV-{split}{index:05d}",
-            "vendor": rng.choice(_VENDORS[split]),
+            "number": f"INV-{_number(rng)}",
+            "vendor": _vendor(rng, split),
             "total": round(rng.uniform(20, 9000), 2),
             "currency": rng.choice(["USD", "EUR", "GBP"]),
             "status": status,
@@ -190,7 +223,7 @@ def _invoice(rng: random.Random, split: int, index: int) -> dict[str, Any]:
     return _record(rng, f"invoice-{split}-{index}", state, answers)
 
 
-def _ticket(rng: random.Random, split: int, index: int) -> dict[str, Any]:
+def _ticket(rng: random.Random, split: str, index: int) -> dict[str, Any]:
     category = rng.choice(list(TICKET_CATEGORY))
     impact = rng.randrange(len(IMPACT_LEVELS))
     refund = category == "billing" and rng.random() < 0.5
@@ -200,8 +233,8 @@ def _ticket(rng: random.Random, split: int, index: int) -> dict[str, Any]:
     )
     state = {
         "ticket": {
-            "id": f"T-{split}{index:05d}",
-            "customer": rng.choice(_CUSTOMERS[split]),
+            "id": f"T-{_number(rng)}",
+            "customer": _customer(rng, split),
             "plan": rng.choice(["free", "pro", "enterprise"]),
             "topic": category,
             "affected": _AFFECTED[impact],
@@ -213,13 +246,13 @@ def _ticket(rng: random.Random, split: int, index: int) -> dict[str, Any]:
     return _record(rng, f"ticket-{split}-{index}", state, answers)
 
 
-def _shipment(rng: random.Random, split: int, index: int) -> dict[str, Any]:
+def _shipment(rng: random.Random, split: str, index: int) -> dict[str, Any]:
     status = rng.choice(list(SHIPMENT_STATUS))
     damaged = status == "delivered" and rng.random() < 0.5
     state = {
         "order": {
-            "order_id": f"ORD-{split}{index:05d}",
-            "customer": rng.choice(_CUSTOMERS[split]),
+            "order_id": f"ORD-{_number(rng)}",
+            "customer": _customer(rng, split),
             "carrier": rng.choice(_CARRIERS),
             "status": status,
             "tracking": rng.choice(_SHIPMENT_NOTES[status]),
@@ -244,10 +277,14 @@ def _record(rng: random.Random, record_id: str, state: dict[str, Any], answers: 
 _DOMAINS = (_invoice, _ticket, _shipment)
 
 
-def generate(count: int, *, seed: int, heldout: bool) -> list[dict[str, Any]]:
-    """`count` labelled records, cycling through the domains. `heldout=True` draws the evaluation split:
-    another random stream and other names, ids prefixed with the split number, so the splits never overlap.
+def generate(count: int, *, seed: int, split: str) -> list[dict[str, Any]]:
+    """`count` labelled records of one split ("train", "dev" or "eval"), cycling through the domains.
+
+    Each split has its own random stream and its own names (the training split's synthetic pool never produces
+    a dev or eval name), so no record of one split appears in another. "dev" exists to choose the training
+    recipe without looking at "eval", the fixture's held-out evaluation.
     """
-    split = 1 if heldout else 0
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     rng = random.Random(f"blaze-decisions:{seed}:{split}")
     return [_DOMAINS[index % len(_DOMAINS)](rng, split, index) for index in range(count)]

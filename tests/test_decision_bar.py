@@ -80,6 +80,6 @@ def test_decision_fixture_keeps_the_release_layout_and_holds_out_its_eval(tiny_r
     assert info["changed_tensors"] > 0  # LoRA was merged into the backbone
     lines = [json.loads(line) for line in (folder / EVAL_FILE).read_text().splitlines()]
     assert len(lines) >= 200 and sum(bool(r.get("images")) for r in lines) >= 2
-    train = generate(TrainSettings().train_records, seed=0, heldout=False)
+    train = generate(TrainSettings().train_records, seed=0, split="train")
     assert not {json.dumps(r["state"], sort_keys=True) for r in train} & \
         {json.dumps(r["state"], sort_keys=True) for r in lines}

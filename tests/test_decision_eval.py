@@ -116,11 +116,11 @@ def test_image_urls_are_refused_offline(monkeypatch):
 
 
 def test_decision_data_is_seeded_labelled_and_split():
-    train, again = generate(60, seed=0, heldout=False), generate(60, seed=0, heldout=False)
-    heldout = generate(60, seed=0, heldout=True)
-    assert train == again and train != generate(60, seed=1, heldout=False)
-    assert not {json.dumps(r["state"], sort_keys=True) for r in train} & {json.dumps(r["state"], sort_keys=True)
-                                                                          for r in heldout}
+    train, again = generate(60, seed=0, split="train"), generate(60, seed=0, split="train")
+    dev, heldout = generate(60, seed=0, split="dev"), generate(60, seed=0, split="eval")
+    assert train == again and train != generate(60, seed=1, split="train")
+    states = [{json.dumps(r["state"], sort_keys=True) for r in split} for split in (train, dev, heldout)]
+    assert not states[0] & states[1] and not states[0] & states[2] and not states[1] & states[2]
     types = {QUESTIONS[qid]["type"] for r in train for qid in r["questions"]}
     assert types == {"choice", "score", "noul"}
     for record in train + heldout:
@@ -128,6 +128,57 @@ def test_decision_data_is_seeded_labelled_and_split():
         de._check_record(record, "x:1")  # every generated record passes the eval loader's checks
     phrasings = {q["instructions"] for r in train for q in r["questions"].values()}
     assert len(phrasings) >= 2 * len(QUESTIONS)
+    with pytest.raises(ValueError, match="split"):
+        generate(1, seed=0, split="test")
+
+
+def _names(records: list[dict]) -> set[str]:
+    return {value for r in records for obj in r["state"].values() for key, value in obj.items()
+            if key in ("customer", "vendor")}
+
+
+def test_training_names_are_many_and_never_held_out_ones():
+    """The training split sees many names (the head must learn to ignore them); dev and eval names never occur in
+    it, and ids do not tell the split (random numbers everywhere)."""
+    train = generate(300, seed=0, split="train")
+    held = _names(generate(300, seed=0, split="dev")) | _names(generate(300, seed=0, split="eval"))
+    assert len(_names(train)) > 150 and not _names(train) & held
+    ids = [obj.get("number") or obj.get("id") or obj.get("order_id") for r in train for obj in r["state"].values()]
+    assert len(set(ids)) > 290
+
+
+def test_batched_training_head_matches_the_release_head(tiny_release):
+    """The fixture's head stage trains through `_batched_head_logits`; it must be the release head's function
+    (float32, padded batch with different lengths and question counts), in train and eval mode."""
+    import torch
+
+    from clef_model import decision_fixture as dfx
+
+    asm = dfx._assemble(tiny_release, dfx.TrainSettings(), 0)
+    records = generate(6, seed=0, split="dev")
+    encoded = [dfx._encode(asm.jsm, asm.tokenizer, None, r) for r in records]
+    hidden = dfx._all_hidden_states(asm, encoded)
+    with torch.no_grad():  # a random but non-trivial head (the tiny release's gates start at zero)
+        generator = torch.Generator().manual_seed(0)
+        for parameter in asm.head.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    length = max(h.shape[0] for h in hidden)
+    states = torch.zeros(len(hidden), length, hidden[0].shape[-1])
+    for row, h in enumerate(hidden):
+        states[row, : h.shape[0]] = h
+    batch = asm.jsm.collate_records([e[0] for e in encoded], asm.tokenizer.pad_token_id, torch.device("cpu"))
+    lm_head = asm.model.language_model.get_output_embeddings().weight
+    assert len({len(e[0].questions) for e in encoded}) > 1 and len({h.shape[0] for h in hidden}) > 1
+    for mode in (asm.head.train, asm.head.eval):
+        mode()
+        reference = asm.model.head(states, batch["input_ids"], batch["attention_mask"], batch["records"], lm_head)
+        batched = dfx._batched_head_logits(asm.head, states, dfx._head_batch([e[0] for e in encoded], length),
+                                           lm_head)
+        assert [len(r) for r in batched] == [len(r) for r in reference]
+        for ref_record, got_record in zip(reference, batched, strict=True):
+            for ref, got in zip(ref_record, got_record, strict=True):
+                assert ref.shape == got.shape and ref.abs().max() > 0.01
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_image_requests_run_through_the_release_and_urls_exit_2_offline(tiny_release, tiny_runtime, tmp_path):
