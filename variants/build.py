@@ -206,10 +206,11 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         if not row.passed or not check or point.strength <= checked.get(setting, -1.0):
             echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s")
             return row
+        echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s; loop check on "
+             f"{len(check)} training questions …")
         free = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
                             batch_size=batch_size, base_cache=cache, base_key="search-loop-check")["summary"]
-        echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s, loop check on "
-             f"{len(check)} questions {time.perf_counter() - validated:.1f} s")
+        echo(f"  point {point.strength:.4g}: loop check {time.perf_counter() - validated:.1f} s")
         rates = {"check_loops": free["loop_rate"]["new"], "check_limit": free["hit_limit_rate"]["new"],
                  "check_empty": free["empty_rate"]["new"]}
         bad = rates["check_loops"] > thresholds.max_loop_rate or rates["check_empty"] > thresholds.max_empty_rate \
