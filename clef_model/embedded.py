@@ -266,7 +266,7 @@ def convert_gguf(source: Path, out: Path, *, force: bool = True, model: Embedded
 
 
 def _stop_ids(tokenizer, config, model: EmbeddedModel) -> list[int]:
-    """The config's end-of-sequence id(s) plus the catalogue's stop tokens (e.g. the blank line that ends a gemma3-270m turn)."""
+    """The config's end-of-sequence id(s) plus the catalogue's stop tokens (e.g. gemma3-270m's blank line)."""
     eos = config.eos_token_id
     ids = [int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
     for token in model.stop_tokens:

@@ -51,9 +51,10 @@ def test_alias_converts_loads_and_chats(alias: str) -> None:
     question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     answer = runtime.generate([question], max_new_tokens=48)[0]
     assert answer.new_tokens > 0 and answer.text.strip()
+    # every catalogue model ends its answer, the gemma3-270m base through its few-shot template's stop token
+    assert not answer.hit_limit, f"{alias} did not stop: {answer.text!r}"
     if model.instruct:
         assert "paris" in answer.text.lower(), answer.text
-        assert not answer.hit_limit, f"{alias} did not stop: {answer.text!r}"
 
 
 @pytest.mark.realmodel
