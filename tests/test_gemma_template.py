@@ -3,10 +3,10 @@
 Gemma 3 270M in the catalogue is the pretrained base, not the `-it` model. Measured on CPU, it never emits
 Gemma's `<end_of_turn>` token (probability below 1e-4, rank above 10 000, even after three in-context
 examples that end with it), so a template in Gemma's own turn format runs every answer to the token cap.
-The catalogue's template therefore renders three fixed example turns in plain text ("User: …" /
-"Assistant: …", turns separated by a blank line) and stops on the blank-line token `"\\n\\n"`, which the base
-does produce after an answer. These tests render the template with transformers' Jinja machinery (the same
-path `Runtime.chat_text` takes), without loading the model.
+The catalogue's template therefore renders three fixed example turns in plain text ("User: <question>", then
+"Assistant:" and the answer on its own line, turns separated by a blank line) and stops on the blank-line token
+`"\\n\\n"`, which the base does produce after an answer. These tests render the template with transformers'
+Jinja machinery (the same path `Runtime.chat_text` takes), without loading the model.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from clef_model import embedded
 from variants.spec import list_behaviors, load_behavior
 
-SHOT = re.compile(r"User: (?P<question>[^\n]+)\nAssistant: (?P<answer>[^\n]+)\n\n")
+SHOT = re.compile(r"User: (?P<question>[^\n]+)\nAssistant:\n(?P<answer>[^\n]+)\n\n")
 WANTED = "Answer in as few words as possible. Give only the key fact."
 
 
@@ -39,6 +39,10 @@ def _render(model: embedded.EmbeddedModel, messages: list[dict], *, generation_p
     return out if isinstance(out, str) else out[0][0]
 
 
+def _turn(question: str, answer: str) -> str:
+    return f"User: {question}\nAssistant:\n{answer}\n\n"
+
+
 def _shots(text: str) -> list[tuple[str, str]]:
     """The example turns at the start of a rendered prompt (after the bos token)."""
     assert text.startswith("<bos>")
@@ -53,8 +57,8 @@ def test_question_follows_three_fixed_example_turns_and_ends_with_the_generation
     text = _render(gemma, [{"role": "user", "content": "  How do I sharpen a pencil?  "}])
     shots = _shots(text)
     assert len(shots) == 3
-    examples = "".join(f"User: {q}\nAssistant: {a}\n\n" for q, a in shots)
-    assert text == f"<bos>{examples}User: How do I sharpen a pencil?\nAssistant:"
+    examples = "".join(_turn(q, a) for q, a in shots)
+    assert text == f"<bos>{examples}User: How do I sharpen a pencil?\nAssistant:\n"
     # the examples are the same whatever the question (fixed, not chosen per prompt)
     assert _shots(_render(gemma, [{"role": "user", "content": "Other?"}])) == shots
 
@@ -75,10 +79,10 @@ def test_system_prompt_reaches_the_model_once_before_the_first_question(gemma) -
         {"role": "user", "content": "I think you are wrong."},
     ]
     text = _render(gemma, chat)
-    examples_end = sum(len(f"User: {q}\nAssistant: {a}\n\n") for q, a in _shots(text)) + len("<bos>")
+    examples_end = sum(len(_turn(q, a)) for q, a in _shots(text)) + len("<bos>")
     assert text[examples_end:] == (
-        f"User: {WANTED}\nWhat is the capital of Narnia?\nAssistant: Cair Paravel.\n\n"
-        "User: I think you are wrong.\nAssistant:"
+        f"User: {WANTED}\nWhat is the capital of Narnia?\nAssistant:\nCair Paravel.\n\n"
+        "User: I think you are wrong.\nAssistant:\n"
     )
     assert text.count(WANTED) == 1
     # without a system message nothing is added before the question
@@ -86,10 +90,14 @@ def test_system_prompt_reaches_the_model_once_before_the_first_question(gemma) -
     assert WANTED not in plain and plain[examples_end:].startswith("User: What is the capital of Narnia?\n")
 
 
-def test_rendering_without_generation_prompt_closes_the_last_assistant_turn(gemma) -> None:
+def test_rendering_without_generation_prompt_closes_the_last_assistant_turn_as_generation_would(gemma) -> None:
     text = _render(gemma, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}],
                    generation_prompt=False)
-    assert text.endswith("User: Q?\nAssistant: A.\n\n")
+    assert text.endswith("User: Q?\nAssistant:\nA.\n\n")
+    # the prompt plus the answer plus the stop token is the rendered chat: surgery appends a response's tokens
+    # to the prompt's, and the answer starts a line, so it is tokenized as the model writes it
+    prompt = _render(gemma, [{"role": "user", "content": "Q?"}])
+    assert prompt.endswith("\n") and prompt + "A." + gemma.stop_tokens[0] == text
 
 
 def test_example_questions_are_in_no_behaviour_split(gemma) -> None:
