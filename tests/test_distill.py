@@ -234,12 +234,12 @@ def test_methods_need_their_own_statistics(mini):
 
 # ---------------------------------------------------------------------------------------- blaze edit
 def test_spec_and_search_know_distill():
-    from variants.build import DISTILL_START, alternatives
+    from variants.build import DISTILL_LAMBDA_FACTOR, DISTILL_START, alternatives
     from variants.spec import EditSettings
 
     assert EditSettings(method="distill").method == "distill"
-    steer = alternatives(EditSettings(positions="shared_response"))
-    assert ("distill", {"method": "distill", "strength": DISTILL_START}) in steer
+    steer = alternatives(EditSettings(positions="shared_response", lam=2.0))
+    assert ("distill", {"method": "distill", "strength": DISTILL_START, "lam": 2.0 * DISTILL_LAMBDA_FACTOR}) in steer
     assert not any(name == "distill" for name, _ in alternatives(EditSettings(positions="response")))
     assert not any(name == "distill" for name, _ in alternatives(EditSettings(method="distill",
                                                                               positions="shared_response")))
