@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from clef_model.decision_fixture import EVAL_FILE, cached_decision_fixture
 from variants.cli import main
 
-# Opt-in (BLAZE_DECISION_BAR=1): the bar is not met yet, so it cannot run in CI. On the BUILD_VERSION 2 fixture the
-# default edit gives max |Δp| 0.358 and 1 flip (README "Typed decisions, measured"): 406 of 408 eval answers move
-# by ≤ 0.0054, two less confident ones (a refund noul at p 0.817, a shipment choice at 0.922) move by 0.36 and 0.17,
-# and the unedited base's own bf16 noise floor is 0.170 there. A cold cache also trains the fixture (~5 min on the
-# shared 2-core VM) and collects the verbosity statistics (~6.5 min).
+# Opt-in (BLAZE_DECISION_BAR=1): the bar is not met yet, so it cannot run in CI. On the BUILD_VERSION 3 fixture the
+# default edit gives 0 flips and accuracy 1.000 but max |Δp| 0.022 (README "Typed decisions, measured"): one
+# refund answer at p 0.9905 moves to 0.9685, 410 of 412 answers move by ≤ 0.005, and the unedited base's own bf16
+# noise floor is 0.0228. A cold cache also trains the fixture (~1.3 min CPU, 3.2 min wall on the shared 2-core
+# VM) and collects the verbosity statistics (~3.5 min CPU, ~10 min wall there).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("BLAZE_DECISION_BAR") != "1",
