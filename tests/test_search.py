@@ -137,6 +137,7 @@ def test_edit_without_a_passing_point_exits_1_and_writes_nothing(tiny_release, t
                                        str(tmp_path / "v"), "--device", "cpu", "--cache-dir", str(tmp_path / "c")])
     assert result.exit_code == 1, result.output
     assert "no point of the search passed" in result.output and not (tmp_path / "v").exists()
+    assert "timing: load " in result.output and "search 3 generation passes" in result.output   # the cost, too
 
 
 def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):

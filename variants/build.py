@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_model.errors import BlazeError
 from clef_model.files import CANARY_JSON, CANARY_MD
-from variants.search import Point, Row, SearchResult, format_table, search
+from variants.search import NoPassingPoint, Point, Row, SearchResult, format_table, search
 
 if TYPE_CHECKING:
     from canaries.gate import Thresholds
@@ -357,9 +357,14 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
              f"validation prompts, at most {s.budget} generation passes")
         evaluate = validation_evaluator(runtime, spec, s, thresholds, solve_patch=solve_patch,
                                         progress=opts.progress, batch_size=opts.batch_size, echo=echo)
-        found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
-                       max_strength=STRENGTH_MAX, alternatives=alternatives(s), target_effect=s.target_effect,
-                       echo=echo)
+        try:
+            found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
+                           max_strength=STRENGTH_MAX, alternatives=alternatives(s), target_effect=s.target_effect,
+                           echo=echo)
+        except NoPassingPoint as error:   # the verdict still says what the search cost
+            times.mark("search")
+            echo(f"{times.summary()}; search {error.result.passes} generation passes")
+            raise
         assert found.chosen is not None
         start = found.chosen.point
         stats = statistics(start.layers, start.kinds, start.method)
