@@ -241,3 +241,18 @@ def test_best_row_with_target():
     assert best_row(rows, 0.4).point.strength == 0.4                # target: weakest that reaches it
     assert best_row(rows, 0.6).point.strength == 0.67
     assert best_row(rows, 0.9).point.strength == 0.67               # unreached: largest effect
+
+
+def test_a_damage_failure_below_a_stronger_pass_of_the_same_check_is_noise():
+    """SmolLM2 on CPU: 0.4 failed only the loop check, 0.1 failed the key-fact check by one item that 0.4
+    kept. The quality failure at 0.1 does not bound the search (damage grows with strength); it bisects
+    between 0.1 and 0.4 instead of stepping down below 0.1."""
+    def row(strength, failed, values):
+        return Row(point=Point(strength, "steer", 1.0, "0.3-0.8", "writers"), passed=not failed,
+                   failed=tuple(failed), values=values)
+    strong = row(0.4, ["check_loops"], {"effect": 0.51, "quality": 1.0, "check_loops": 0.007})
+    weak = row(0.1, ["quality", "effect"], {"effect": 0.14, "quality": 0.938})
+    assert next_strength([strong, weak], 0.25, 10.0, 0.4) == pytest.approx(0.2)
+    # without the stronger pass of `quality`, the weak failure is real damage: step down
+    strong_bad = row(0.4, ["check_loops", "quality"], {"effect": 0.51, "quality": 0.9, "check_loops": 0.007})
+    assert next_strength([strong_bad, weak], 0.25, 10.0, 0.4) == pytest.approx(0.025)
