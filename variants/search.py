@@ -11,10 +11,12 @@ prompts are never looked at). The search spends at most ``budget`` passes, cheap
    drift, key-fact quality) bounds the search; then bisect geometrically between the strongest
    non-damaging point and the weakest damaging one until they are within 20 % of each other. Strengths
    stop at ``STRENGTH_MAX`` (a damage bound of its own).
-2. **Where and how, only when step 1 found no passing point.** Alternatives on the same statistics first
-   (no new model pass): a 10× stronger preservation penalty λ (less damage per unit of effect), then the
-   ``nullspace`` method; then the band of layers with the best separation scores (``layers=auto``: one
-   more statistics pass over the contrast pairs, no generation). Each is searched as in step 1 with the
+2. **Where and how, when step 1 found no passing point, or none that reached the target effect.**
+   Alternatives, in the order :func:`variants.build.alternatives` gives them: ``distill`` (closed-form context
+   distillation: its own statistics pass, starting at its own strength scale) for specs whose pairs contrast
+   two system prompts; then, on the same statistics (no new model pass), a 10× stronger preservation penalty
+   λ and the ``nullspace`` method; then the band of layers with the best separation scores (``layers=auto``:
+   one more statistics pass over the contrast pairs, no generation). Each is searched as in step 1 with the
    passes that are left.
 
 Rare loops: new loops appear at about 1-2 % of prompts on SmolLM2 past strength 0.4, which a validation
