@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 
 from clef_model.errors import BlazeError
 from surgery.directions import ContrastPair
-from surgery.statistics import PreserveSet, preserve_sequences
+from surgery.statistics import PreserveSet, load_payload, preserve_sequences, save_payload
 
 if TYPE_CHECKING:
     from clef_model.runtime import Runtime
@@ -84,19 +83,12 @@ class DistillStatistics:
             "keys": {name: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(m).items()}
                      for name, m in self.keys.items()},
         }
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        save_payload(payload, path)
 
     @classmethod
     def load(cls, path: Path | str) -> DistillStatistics:
         """Read a file written by :meth:`save`."""
-        try:
-            payload = torch.load(Path(path), map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - any unreadable file is a user-facing problem
-            raise BlazeError(f"cannot read statistics file {path}: {error}; delete it to recompute") from error
+        payload = load_payload(path)
         if payload.get("format") != FORMAT_VERSION or payload.get("kind") != "distill":
             raise BlazeError(f"statistics file {path} is not distill statistics of this format: delete it to recompute")
         return cls(keys={name: DistillMoments(**d) for name, d in payload["keys"].items()}, meta=payload["meta"])
@@ -352,12 +344,7 @@ def collect_distill_statistics(
     say(f"distill: {stats.meta['n_items']} teacher answers, {stats.meta['response_tokens']} tokens "
         f"({stats.meta['teacher_hit_limit']} ran to the token limit)")
     if cache:
-        from surgery.edit import CACHE_LIMIT_ENV, _cache_limit_bytes
+        from surgery.edit import cache_if_small
 
-        size, limit = stats.nbytes(), _cache_limit_bytes()
-        if size <= limit:
-            stats.save(cache)
-        else:
-            say(f"statistics: {size / 1e9:.1f} GB, above the cache limit of {limit / 1e9:g} GB: kept in memory, "
-                f"not saved (set {CACHE_LIMIT_ENV} to raise the limit)")
+        cache_if_small(stats, cache, say)
     return stats

@@ -156,16 +156,21 @@ def collect_statistics(
         "layer_scores": auto_scores,
     })
     if cache:
-        size = stats.nbytes()
-        limit = _cache_limit_bytes()
-        if size <= limit:
-            stats.save(cache)
-        else:
-            # At 9B scale the key moments of 34 matrices are ≈ 23 GB: writing them cost ≈ 30 s and the page
-            # cache flush then slowed the variant's own write (GPU run, BENCHMARKS.md). Recollecting is cheaper.
-            say(f"statistics: {size / 1e9:.1f} GB, above the cache limit of {limit / 1e9:g} GB: kept in memory, "
-                f"not saved (set {CACHE_LIMIT_ENV} to raise the limit)")
+        cache_if_small(stats, cache, say)
     return stats
+
+
+def cache_if_small(stats: Statistics | DistillStatistics, cache: Path | str, say: Callable[[str], None]) -> None:
+    """Save statistics to ``cache`` unless they exceed the cache limit (``BLAZE_STATS_CACHE_MAX_GB``).
+
+    At 9B scale the key moments of 34 matrices are ≈ 23 GB: writing them cost ≈ 30 s and the page cache flush
+    then slowed the variant's own write (GPU run, BENCHMARKS.md). Recollecting is cheaper."""
+    size, limit = stats.nbytes(), _cache_limit_bytes()
+    if size <= limit:
+        stats.save(cache)
+    else:
+        say(f"statistics: {size / 1e9:.1f} GB, above the cache limit of {limit / 1e9:g} GB: kept in memory, "
+            f"not saved (set {CACHE_LIMIT_ENV} to raise the limit)")
 
 
 CACHE_LIMIT_ENV = "BLAZE_STATS_CACHE_MAX_GB"

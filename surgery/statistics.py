@@ -34,6 +34,28 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 
 
+def save_payload(payload: dict, path: Path | str) -> None:
+    """Write a statistics payload (plain tensors and dicts) to one file, atomically: a killed run leaves the
+    old file or none, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_payload(path: Path | str) -> dict:
+    """Read a payload written by :func:`save_payload`, tensors only (``weights_only``: a planted pickle does not
+    run); an unreadable file is a clear error that says to delete it."""
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file is a user-facing problem
+        raise BlazeError(f"cannot read statistics file {path}: {error}; delete it to recompute") from error
+    if not isinstance(payload, dict):
+        raise BlazeError(f"statistics file {path} holds no statistics: delete it to recompute")
+    return payload
+
+
 @dataclass
 class PreserveSet:
     """What must not change: neutral chat prompts and SystemOne requests (Clef releases only)."""
@@ -96,19 +118,12 @@ class Statistics:
             },
             "meta": self.meta,
         }
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        save_payload(payload, path)
 
     @classmethod
     def load(cls, path: Path | str) -> Statistics:
         """Read a file written by :meth:`save`."""
-        try:
-            payload = torch.load(Path(path), map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - any unreadable file is a user-facing problem
-            raise BlazeError(f"cannot read statistics file {path}: {error}; delete it to recompute") from error
+        payload = load_payload(path)
         if payload.get("format") != FORMAT_VERSION:
             raise BlazeError(f"statistics file {path} has an old format: delete it to recompute")
         return cls(
