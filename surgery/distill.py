@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from clef_model.errors import BlazeError
 from surgery.directions import ContrastPair
-from surgery.statistics import PreserveSet, load_payload, preserve_sequences, save_payload
+from surgery.statistics import PreserveSet, cache_if_small, load_payload, preserve_sequences, save_payload
 
 if TYPE_CHECKING:
     from clef_model.runtime import Runtime
@@ -301,7 +301,7 @@ def collect_distill_statistics(
     match. ``layers="auto"`` is resolved as for steer (separation scores of the contrast pairs,
     :func:`surgery.edit.collect_statistics`), so both methods edit the same band."""
     from surgery import directions as dirs
-    from surgery.edit import _fingerprint, _ranges, plan
+    from surgery.plan import layer_ranges, plan, statistics_fingerprint
     from surgery.statistics import collect
     from surgery.targets import parse_kinds, parse_layers
 
@@ -309,7 +309,7 @@ def collect_distill_statistics(
     say = echo or (lambda _m: None)
     num_layers = len(runtime.decoder_layers())
     chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
-    fingerprint = _fingerprint(runtime, pairs, preserve, [], {
+    fingerprint = statistics_fingerprint(runtime, pairs, preserve, [], {
         "method": "distill", "layers": str(layers), "kinds": parse_kinds(kinds), "batch_size": batch_size,
         "max_new_tokens": max_new_tokens, "format": FORMAT_VERSION})
     if cache and Path(cache).exists():
@@ -328,14 +328,14 @@ def collect_distill_statistics(
         found = dirs.layer_directions(first.wanted_means, first.unwanted_means, rank, first.pair_direction)
         auto_scores = {layer: d.separation for layer, d in found.items()}
         chosen = dirs.choose_band(auto_scores, num_layers)
-        say(f"layers auto: chose {_ranges(chosen)}")
+        say(f"layers auto: chose {layer_ranges(chosen)}")
     the_plan = plan(runtime, chosen, kinds, method="distill", rank=rank)
     say(f"distill: generating the teacher's answers to {len(pairs)} training prompts under the wanted system prompt")
     items = teacher_items(runtime, pairs, max_new_tokens=max_new_tokens, batch_size=batch_size)
     stats = collect_distill(runtime, items, preserve, the_plan.targets, batch_size=batch_size, progress=progress)
     stats.meta.update({
         "fingerprint": fingerprint, "layers": list(chosen),
-        "layers_spec": layers if isinstance(layers, str) else _ranges(chosen), "kinds": the_plan.kinds,
+        "layers_spec": layers if isinstance(layers, str) else layer_ranges(chosen), "kinds": the_plan.kinds,
         "architecture": the_plan.architecture, "layer_scores": auto_scores,
         "teacher_hit_limit": sum(1 for i in items if not i.response or i.response[-1] not in runtime.stop_token_ids()),
         "teacher_sha256": hashlib.sha256(json.dumps([[repr(i.prompt), i.system, list(i.response)] for i in items])
@@ -344,7 +344,5 @@ def collect_distill_statistics(
     say(f"distill: {stats.meta['n_items']} teacher answers, {stats.meta['response_tokens']} tokens "
         f"({stats.meta['teacher_hit_limit']} ran to the token limit)")
     if cache:
-        from surgery.edit import cache_if_small
-
         cache_if_small(stats, cache, say)
     return stats

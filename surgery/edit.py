@@ -8,11 +8,9 @@ Writing a variant from a patch is :func:`surgery.write.write_variant` (streaming
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +20,12 @@ from clef_model.errors import BlazeError
 from surgery import directions as dirs
 from surgery import solvers
 from surgery.directions import ContrastPair
-from surgery.statistics import PreserveSet, Statistics, collect
+from surgery.plan import layer_ranges, plan, statistics_fingerprint
+from surgery.statistics import PreserveSet, Statistics, cache_if_small, collect
 from surgery.targets import (
     WRITERS,
     parse_kinds,
     parse_layers,
-    resolve_targets,
     split_name,
 )
 
@@ -40,67 +38,7 @@ WeightSource = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]
 LayerKernel = Mapping[int, float] | Callable[[int], float] | None
 
 
-# --------------------------------------------------------------------------------------------- plan
-@dataclass
-class EditPlan:
-    """What an edit will touch: layers, kinds and the resolved target names with their shapes."""
-
-    architecture: str
-    num_layers: int
-    layers: list[int]
-    kinds: list[str]
-    targets: list[str]
-    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    method: str = "steer"
-    rank: int = 1
-
-
-def _ranges(layers: Sequence[int]) -> str:
-    out, layers = [], sorted(layers)
-    i = 0
-    while i < len(layers):
-        j = i
-        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
-            j += 1
-        out.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def plan(runtime: Runtime, layers: str | Iterable[int], kinds: str | Iterable[str], *, method: str = "steer",
-         rank: int = 1) -> EditPlan:
-    """Resolve a layer spec (not ``auto``: see :func:`collect_statistics`) and kinds on a loaded runtime."""
-    if method not in solvers.METHODS:
-        raise BlazeError(f"unknown method {method!r}: use one of {', '.join(solvers.METHODS)}")
-    if rank < 1:
-        raise BlazeError(f"--rank must be ≥ 1 (got {rank})")
-    num_layers = len(runtime.decoder_layers())
-    chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
-    if chosen == "auto":
-        raise BlazeError("plan() needs concrete layers; 'auto' is resolved by collect_statistics")
-    linears = runtime.named_linears()
-    names = resolve_targets(linears, runtime.release.architecture, num_layers, chosen, kinds)
-    shapes = {n: (linears[n].weight.shape[0], linears[n].weight.shape[1]) for n in names}  # (d_out, d_in)
-    return EditPlan(runtime.release.architecture, num_layers, list(chosen), parse_kinds(kinds), names, shapes,
-                    method, rank)
-
-
 # --------------------------------------------------------------------------------------- statistics
-def _fingerprint(runtime, pairs: Sequence[ContrastPair], preserve: PreserveSet | None, targets: list[str],
-                 extra: dict) -> str:
-    data = {
-        "model": str(getattr(runtime.release, "path", "")),
-        "ref": getattr(runtime.release, "ref", None),
-        "revision": getattr(runtime.release, "revision", None),
-        "dtype": str(getattr(runtime, "dtype", "")),
-        "pairs": [vars(p) for p in pairs],
-        "preserve": {"texts": preserve.texts, "requests": preserve.requests} if preserve else None,
-        "targets": targets,
-        **extra,
-    }
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def collect_statistics(
     runtime: Runtime,
     contrast: Sequence[ContrastPair | dict],
@@ -128,7 +66,7 @@ def collect_statistics(
     num_layers = len(runtime.decoder_layers())
     chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
     say = echo or (lambda _m: None)
-    fingerprint = _fingerprint(runtime, pairs, preserve, [], {"layers": str(layers), "kinds": parse_kinds(kinds),
+    fingerprint = statistics_fingerprint(runtime, pairs, preserve, [], {"layers": str(layers), "kinds": parse_kinds(kinds),
                                                             "batch_size": batch_size, "positions": positions})
     if cache and Path(cache).exists():
         stats = Statistics.load(cache)
@@ -142,14 +80,14 @@ def collect_statistics(
         auto_scores = {l: d.separation for l, d in found.items()}
         chosen = dirs.choose_band(auto_scores, num_layers)
         say(dirs.format_scores(found, chosen))
-        say(f"layers auto: chose {_ranges(chosen)}")
+        say(f"layers auto: chose {layer_ranges(chosen)}")
     the_plan = plan(runtime, chosen, kinds, rank=rank)
     stats = collect(runtime, pairs, preserve, the_plan.targets, batch_size=batch_size, progress=progress,
                     positions=positions)
     stats.meta.update({
         "fingerprint": fingerprint,
         "layers": list(chosen),
-        "layers_spec": layers if isinstance(layers, str) else _ranges(chosen),
+        "layers_spec": layers if isinstance(layers, str) else layer_ranges(chosen),
         "kinds": the_plan.kinds,
         "architecture": the_plan.architecture,
         "shapes": {k: list(v) for k, v in the_plan.shapes.items()},
@@ -158,28 +96,6 @@ def collect_statistics(
     if cache:
         cache_if_small(stats, cache, say)
     return stats
-
-
-def cache_if_small(stats: Statistics | DistillStatistics, cache: Path | str, say: Callable[[str], None]) -> None:
-    """Save statistics to ``cache`` unless they exceed the cache limit (``BLAZE_STATS_CACHE_MAX_GB``).
-
-    At 9B scale the key moments of 34 matrices are ≈ 23 GB: writing them cost ≈ 30 s and the page cache flush
-    then slowed the variant's own write (GPU run, BENCHMARKS.md). Recollecting is cheaper."""
-    size, limit = stats.nbytes(), _cache_limit_bytes()
-    if size <= limit:
-        stats.save(cache)
-    else:
-        say(f"statistics: {size / 1e9:.1f} GB, above the cache limit of {limit / 1e9:g} GB: kept in memory, "
-            f"not saved (set {CACHE_LIMIT_ENV} to raise the limit)")
-
-
-CACHE_LIMIT_ENV = "BLAZE_STATS_CACHE_MAX_GB"
-
-
-def _cache_limit_bytes() -> float:
-    from clef_model.env import stats_cache_max_bytes
-
-    return stats_cache_max_bytes()
 
 
 # -------------------------------------------------------------------------------------------- solve
@@ -315,9 +231,8 @@ def _check_solve(stats: Statistics | DistillStatistics, method: str, strength: f
 
 
 def _is_distill(stats: Statistics | DistillStatistics) -> bool:
-    from surgery.distill import DistillStatistics
-
-    return isinstance(stats, DistillStatistics)
+    # not an isinstance check on DistillStatistics: surgery.distill imports this module (plan, fingerprint)
+    return not isinstance(stats, Statistics)
 
 
 def _solve_distill(stats: DistillStatistics, names: list[str], strength: float, rank: int, lam: float, mu: float,

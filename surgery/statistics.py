@@ -17,10 +17,10 @@ the running sums in float32 (CUDA, memory) or float64 (CPU); the final ``lm_head
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -54,6 +54,30 @@ def load_payload(path: Path | str) -> dict:
     if not isinstance(payload, dict):
         raise BlazeError(f"statistics file {path} holds no statistics: delete it to recompute")
     return payload
+
+
+class _Cacheable(Protocol):
+    def nbytes(self) -> int: ...
+    def save(self, path: Path | str) -> None: ...
+
+
+CACHE_LIMIT_ENV = "BLAZE_STATS_CACHE_MAX_GB"
+
+
+def cache_if_small(stats: _Cacheable, cache: Path | str, say: Callable[[str], None]) -> None:
+    """Save statistics (steer's or distill's) to ``cache`` unless they exceed the cache limit
+    (``BLAZE_STATS_CACHE_MAX_GB``).
+
+    At 9B scale the key moments of 34 matrices are ≈ 23 GB: writing them cost ≈ 30 s and the page cache flush
+    then slowed the variant's own write (GPU run, BENCHMARKS.md). Recollecting is cheaper."""
+    from clef_model.env import stats_cache_max_bytes
+
+    size, limit = stats.nbytes(), stats_cache_max_bytes()
+    if size <= limit:
+        stats.save(cache)
+    else:
+        say(f"statistics: {size / 1e9:.1f} GB, above the cache limit of {limit / 1e9:g} GB: kept in memory, "
+            f"not saved (set {CACHE_LIMIT_ENV} to raise the limit)")
 
 
 @dataclass
