@@ -3,7 +3,7 @@
 Verbosity: issue 5 asks for a ≥ 40% cut of the mean answer length on the spec's held-out prompts with the
 key fact kept (variant keyword hits ≥ 95% of the base's), first-token KL on neutral prompts ≤ 0.1 and no new
 loops. With directions read as ``shared_response`` (docs/METHOD.md) the strength `--strength auto` picks on
-the validation split (0.4) gives a 55% cut (49.3 → 22.4 tokens, README "Demonstration"). The test uses the
+the validation split gave 0.4 with the old grid, a 55% cut (49.3 → 22.4 tokens, README "Demonstration"). The test uses the
 spec's defaults except the strength (``DEMO_STRENGTH``, the value the validation sweep of `blaze edit` picks),
 so it runs one canary instead of a sweep. The sycophancy variant has no test yet: it has not been measured.
 
@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-DEMO_STRENGTH = {"verbosity": 0.4}  # what `--strength auto` picks on the validation split (scripts/demo.sh)
+DEMO_STRENGTH = {"verbosity": 0.4}  # the top of the spec's grid; `--strength auto` now picks 0.336 on CPU (the
+# 0.4 point adds one loop in 134 training questions), README "Demonstration"; 0.4 has no new held-out loop
 
 
 def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None, max_new_tokens: int | None = None,
