@@ -28,13 +28,21 @@ from tqdm.auto import tqdm
 
 from clef_model.errors import BlazeError
 from surgery.directions import ContrastPair
-from surgery.statistics import PreserveSet, cache_if_small, load_payload, preserve_sequences, save_payload
+from surgery.statistics import (
+    PreserveSet,
+    cache_if_small,
+    forward,
+    load_payload,
+    pad_id,
+    padded_batch,
+    preserve_sequences,
+    save_payload,
+)
 
 if TYPE_CHECKING:
     from clef_model.runtime import Runtime
 
 FORMAT_VERSION = 1
-_WIDTH_BUCKET = 64
 
 
 @dataclass(frozen=True)
@@ -203,23 +211,9 @@ class _Hooks:
 
 
 def _batch(runs: list[_Run], pad: int, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, mask and the flat indices of the read positions (row-major, in ``runs`` order)."""
-    width = -(-max(len(r.ids) for r in runs) // _WIDTH_BUCKET) * _WIDTH_BUCKET
-    ids = torch.full((len(runs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(runs), width), dtype=torch.long)
-    flat: list[int] = []
-    for row, run in enumerate(runs):
-        ids[row, : len(run.ids)] = torch.tensor(run.ids, dtype=torch.long)
-        mask[row, : len(run.ids)] = 1
-        flat.extend(row * width + p for p in run.positions)
+    """:func:`surgery.statistics.padded_batch` on ``device``, the flat read positions as a tensor."""
+    ids, mask, flat = padded_batch(runs, pad)
     return ids.to(device), mask.to(device), torch.tensor(flat, dtype=torch.long, device=device)
-
-
-def _forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
-    try:
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
-    except TypeError:
-        model(input_ids=ids, attention_mask=mask)
 
 
 def collect_distill(runtime: Runtime, items: Sequence[DistillItem], preserve: PreserveSet | None,
@@ -237,8 +231,7 @@ def collect_distill(runtime: Runtime, items: Sequence[DistillItem], preserve: Pr
     acc = torch.float32 if device.type == "cuda" else torch.float64
     runs = [item_runs(runtime, item, max_length) for item in items]
     kept = preserve_sequences(runtime, preserve, max_length) if preserve else []
-    pad = getattr(runtime.tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
+    pad = pad_id(runtime)
     model = runtime.text_model()
     hooks = _Hooks(runtime, targets, acc, device)
     order = sorted(range(len(runs)), key=lambda i: len(runs[i][1].ids))
@@ -250,13 +243,13 @@ def collect_distill(runtime: Runtime, items: Sequence[DistillItem], preserve: Pr
                 for mode, side in (("A", 0), ("B", 1)):
                     ids, mask, hooks.flat = _batch([pair[side] for pair in chunk], pad, device)
                     hooks.mode = mode
-                    _forward(model, ids, mask)
+                    forward(model, ids, mask)
                 bar.update(len(chunk))
             hooks.mode = "P"
             for start in range(0, len(kept), batch_size):
                 chunk_p = [_Run(ids=s.ids, positions=s.positions) for s in kept[start : start + batch_size]]
                 ids, mask, hooks.flat = _batch(chunk_p, pad, device)
-                _forward(model, ids, mask)
+                forward(model, ids, mask)
                 bar.update(len(chunk_p))
     finally:
         hooks.close()

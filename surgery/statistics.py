@@ -314,13 +314,43 @@ class _Collector:
 _WIDTH_BUCKET = 64
 
 
+class _Positions(Protocol):
+    ids: list[int]
+    positions: list[int]
+
+
 def _quiet() -> bool:
     from clef_model.env import quiet
 
     return quiet()
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+def pad_id(runtime: Runtime) -> int:
+    """The id right padding uses (the tokenizer's pad token, else 0: masked out either way)."""
+    pad = getattr(runtime.tokenizer, "pad_token_id", None)
+    return 0 if pad is None else int(pad)
+
+
+def padded_batch(batch: Sequence[_Positions], pad: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Right-padded ids and mask (CPU) of ``batch`` and the flat (row × width + position) indices of each
+    sequence's kept positions, in order.
+
+    The padded width is rounded up to a multiple of 64: shape-specialised kernels (fla's Triton kernels on the
+    GPU compile/autotune per sequence length) then see a few shapes instead of one per batch. Right padding
+    cannot change the kept positions: every mixer is causal."""
+    width = -(-max(len(s.ids) for s in batch) // _WIDTH_BUCKET) * _WIDTH_BUCKET
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    flat: list[int] = []
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq.ids)] = torch.tensor(seq.ids, dtype=torch.long)
+        mask[row, : len(seq.ids)] = 1
+        flat.extend(row * width + p for p in seq.positions)
+    return ids, mask, flat
+
+
+def forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """One forward pass whose outputs the hooks read (no KV cache where the model takes the flag)."""
     try:
         model(input_ids=ids, attention_mask=mask, use_cache=False)
     except TypeError:
@@ -332,34 +362,21 @@ def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, 
     if not sequences:
         return
     collector.mode = mode
-    pad = getattr(runtime.tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
+    pad = pad_id(runtime)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
     model = runtime.text_model()
     bar = tqdm(total=len(sequences), desc=desc, unit="seq", disable=not progress or _quiet())
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             batch = [sequences[i] for i in order[start : start + batch_size]]
-            # round the padded width up to a multiple of 64: shape-specialised kernels (fla's Triton kernels
-            # on the GPU compile/autotune per sequence length) then see a few shapes instead of one per batch.
-            # Right padding cannot change the kept positions: every mixer is causal.
-            width = -(-max(len(s.ids) for s in batch) // _WIDTH_BUCKET) * _WIDTH_BUCKET
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            flat: list[int] = []
-            pair: list[int] = []
-            side: list[int] = []
-            for row, seq in enumerate(batch):
-                ids[row, : len(seq.ids)] = torch.tensor(seq.ids, dtype=torch.long)
-                mask[row, : len(seq.ids)] = 1
-                flat.extend(row * width + p for p in seq.positions)
-                pair.extend([seq.pair] * len(seq.positions))
-                side.extend([seq.side] * len(seq.positions))
+            ids, mask, flat = padded_batch(batch, pad)
+            pair = [seq.pair for seq in batch for _ in seq.positions]
+            side = [seq.side for seq in batch for _ in seq.positions]
             dev = collector.device
             collector.flat = torch.tensor(flat, dtype=torch.long, device=dev)
             collector.pair = torch.tensor(pair, dtype=torch.long, device=dev)
             collector.side = torch.tensor(side, dtype=torch.long, device=dev)
-            _forward(model, ids.to(runtime.device), mask.to(runtime.device))
+            forward(model, ids.to(runtime.device), mask.to(runtime.device))
             bar.update(len(batch))
     bar.close()
 
