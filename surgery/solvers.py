@@ -48,6 +48,20 @@ def relative_ridge(matrix: torch.Tensor, mu: float) -> float:
     return float(mu * torch.trace(matrix.double()).clamp(min=1e-30) / d)
 
 
+def penalised_gram(key_moment: torch.Tensor, preserve_moment: torch.Tensor | None, lam: float, mu: float,
+                   method: str) -> torch.Tensor:
+    """G = E[k kᵀ] + λ C_p + μ' I (float64, symmetric), the matrix every ridge solve here inverts; μ' is
+    ``mu`` × the mean eigenvalue of E[k kᵀ] + λ C_p (:func:`relative_ridge`)."""
+    if lam < 0 or mu < 0:
+        raise BlazeError("lambda and mu must be ≥ 0")
+    g = _sym(key_moment)
+    if lam > 0:
+        if preserve_moment is None:
+            raise BlazeError(f"{method} with lambda > 0 needs preserved-key statistics (a preserve set)")
+        g = g + lam * _sym(preserve_moment)
+    return g + relative_ridge(g, mu) * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+
+
 def cross_moment(basis: torch.Tensor, pair_targets: torch.Tensor, pair_keys: torch.Tensor,
                  pair_weights: torch.Tensor) -> torch.Tensor:
     """B = Σ_p w_p (Qᵀ t_p) m_pᵀ  (k × d_in)."""
@@ -64,14 +78,7 @@ def steer(basis: torch.Tensor, cross: torch.Tensor, behaviour_moment: torch.Tens
     ΔW = Q B (C_b + λ C_p + μ' I)⁻¹ with μ' = ``mu`` × mean eigenvalue of (C_b + λ C_p).
     Only second moments are needed. U = Q, V = (C_b + λ C_p + μ' I)⁻¹ Bᵀ.
     """
-    if lam < 0 or mu < 0:
-        raise BlazeError("lambda and mu must be ≥ 0")
-    g = _sym(behaviour_moment)
-    if lam > 0:
-        if preserve_moment is None:
-            raise BlazeError("steer with lambda > 0 needs preserved-key statistics (a preserve set)")
-        g = g + lam * _sym(preserve_moment)
-    g = g + relative_ridge(g, mu) * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+    g = penalised_gram(behaviour_moment, preserve_moment, lam, mu, "steer")
     v = torch.linalg.solve(g, cross.double().T)                # d_in × k  (g symmetric)
     return Factors(U=basis.double().clone(), V=v)
 
@@ -113,16 +120,9 @@ def reduced_rank_regression(cross: torch.Tensor, key_moment: torch.Tensor, rank:
     is ‖(ΔW − M) G^½‖² + const, so the rank-k optimum projects M onto the top-k eigenvectors Q of
     M G Mᵀ (= E[r kᵀ] Mᵀ): ΔW = Q Qᵀ M, i.e. U = Q, V = Mᵀ Q.
     """
-    if lam < 0 or mu < 0:
-        raise BlazeError("lambda and mu must be ≥ 0")
     if rank < 1:
         raise BlazeError(f"--rank must be ≥ 1 (got {rank})")
-    g = _sym(key_moment)
-    if lam > 0:
-        if preserve_moment is None:
-            raise BlazeError("distill with lambda > 0 needs preserved-key statistics (a preserve set)")
-        g = g + lam * _sym(preserve_moment)
-    g = g + relative_ridge(g, mu) * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+    g = penalised_gram(key_moment, preserve_moment, lam, mu, "distill")
     c = cross.double()
     m = torch.linalg.solve(g, c.T).T                           # d_out × d_in  (g symmetric)
     _, vectors = torch.linalg.eigh(_sym(c @ m.T))              # ascending eigenvalues
