@@ -201,7 +201,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
                             max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
                             base_cache=cache, base_key="search-base")
         row = search_row(point, report)
-        setting = (point.method, point.lam, point.layers, point.kinds)
+        setting = point.setting()
         validated = time.perf_counter()
         if not row.passed or not check or point.strength <= checked.get(setting, -1.0):
             echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s")

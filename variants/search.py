@@ -74,6 +74,10 @@ class Point:
     layers: str
     kinds: str
 
+    def setting(self) -> tuple[str, float, str, str]:
+        """Everything but the strength: points of one setting share a strength search."""
+        return (self.method, self.lam, self.layers, self.kinds)
+
     def label(self) -> str:
         """Short text for progress lines."""
         return f"{self.method} λ={self.lam:g} layers={self.layers} kinds={self.kinds} strength={self.strength:.4g}"
@@ -151,10 +155,6 @@ def spent(rows: Iterable[Row]) -> int:
     return sum(r.passes for r in rows)
 
 
-def _setting(point: Point) -> tuple:
-    return (point.method, point.lam, point.layers, point.kinds)
-
-
 def reached(row: Row, target_effect: float) -> bool:
     """Whether ``row`` passed and its measured effect reaches a (positive) target."""
     return target_effect > 0 and row.passed and row.effect is not None and row.effect >= target_effect
@@ -172,8 +172,8 @@ def best_row(rows: Iterable[Row], target_effect: float = 0.0) -> Row | None:
     if at_target:
         order: dict[tuple, int] = {}
         for r in rows:
-            order.setdefault(_setting(r.point), len(order))
-        return min(at_target, key=lambda r: (order[_setting(r.point)], r.point.strength))
+            order.setdefault(r.point.setting(), len(order))
+        return min(at_target, key=lambda r: (order[r.point.setting()], r.point.strength))
     return max(passing, key=lambda r: (r.effect if r.effect is not None else r.point.strength,
                                        -r.point.strength))
 
@@ -198,8 +198,8 @@ def next_strength(rows: list[Row], min_effect: float, max_strength: float,
     if any(reached(r, target_effect) for r in rows):
         return None
     aim = max(min_effect, target_effect)
-    clean = [r for r in rows if not damaging(r, rows)]
     damaged = [r for r in rows if damaging(r, rows)]
+    clean = [r for r in rows if r not in damaged]
     low = max((r.point.strength for r in clean), default=0.0)
     if damaged:
         high = min(r.point.strength for r in damaged)
