@@ -286,7 +286,6 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     from variants.spec import load_behavior
     from variants.timing import StageTimes
 
-    started = time.perf_counter()
     times = StageTimes()  # per-stage wall/CPU seconds for the timing line (issue 11: the search's cost)
     out = Path(opts.out)
     from clef_model.outputs import check_output
@@ -422,7 +421,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
 
         export_lora(patch, runtime.release, Path(opts.export_lora), force=opts.force)
         echo(f"LoRA adapter: {opts.export_lora}")
-    seconds = time.perf_counter() - started
+    seconds = times.total().wall_s
     generated = getattr(runtime, "generation_stats", None)
     rels = [i.get("rel_change") for i in patch.metadata["targets"].values() if i.get("rel_change") is not None]
     search_lines = [] if found is None else [
