@@ -141,8 +141,9 @@ def test_edit_without_a_passing_point_exits_1_and_writes_nothing(tiny_release, t
 
 
 def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
-    """A point that passes on the validation prompts is also run on the training questions (loop check set):
-    a rare new loop there fails it; a weaker point of the same setting is covered by a stronger checked one."""
+    """A point that passes on the validation prompts is also run on the training questions: a rare new loop
+    there fails it, and so do key-fact hits below the gate's ratio of the base's (more fact items than the
+    validation split has); a weaker point of the same setting is covered by a stronger checked one."""
     import canaries.run
     from canaries.gate import Thresholds
     from variants.build import loop_check_items, validation_evaluator
@@ -153,9 +154,12 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
         strength = float(view.label.rsplit("=", 1)[1])
         calls.append((base_key, strength))
         loops = 0.02 if base_key == "search-loop-check" and strength > 0.5 else 0.0
+        hits = 10 if strength < 0.35 else 9 if strength < 0.45 else 8      # of the base's 10 training facts
         return {"gate": {"passed": True, "failed": [], "checks": [{"name": "effect", "value": strength}]},
                 "freeform": {"summary": {"loop_rate": {"new": loops}, "hit_limit_rate": {"new": 0.0},
-                                         "empty_rate": {"new": 0.0}}}}
+                                         "empty_rate": {"new": 0.0},
+                                         "quality": {"items": 12, "base_hits": 10, "variant_hits": hits,
+                                                     "ratio": hits / 10}}}}
 
     def fake_run_freeform(view, base, *, freeform_prompts, base_key, **kwargs):   # the loop check: answers only
         return fake_run_canary(view, base, freeform_prompts=freeform_prompts, base_key=base_key, **kwargs)["freeform"]
@@ -179,21 +183,29 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
             return [{"prompt": "Q2", "keywords": []}]
 
         @staticmethod
-        def to_contrast_pairs():
-            return [{"prompt": "Q1"}, {"prompt": "Q1"}, {"prompt": "Q2"}, {"prompt": "Q3"}]
+        def training_questions():
+            return [{"prompt": "Q1", "keywords": ["a"]}, {"prompt": "Q1", "keywords": ["a"]},
+                    {"prompt": "Q2", "keywords": []}, {"prompt": "Q3", "keywords": []}]
 
-    assert [item["prompt"] for item in loop_check_items(Spec)] == ["Q1", "Q3"]   # held-out Q2 never enters
+    items = loop_check_items(Spec)
+    assert [item["prompt"] for item in items] == ["Q1", "Q3"]   # held-out Q2 never enters
+    assert [item["keywords"] for item in items] == [["a"], []]  # key facts travel with the questions
     from variants.spec import EditSettings
 
     evaluate = validation_evaluator(object(), Spec, EditSettings(), Thresholds(), solve_patch=lambda p: Patch(),
                                     progress=False)
     strong = evaluate(START.__class__(0.8, "steer", 1.0, "a", "w"))
-    assert not strong.passed and "check_loops" in strong.failed and strong.damaged and strong.passes == 2
-    ok = evaluate(START.__class__(0.4, "steer", 1.0, "a", "w"))
-    assert ok.passed and ok.passes == 2 and ok.values["check_loops"] == 0.0
-    weaker = evaluate(START.__class__(0.3, "steer", 1.0, "a", "w"))
-    assert weaker.passed and weaker.passes == 1                 # covered by the checked 0.4
-    assert [k for k, _ in calls].count("search-loop-check") == 2
+    assert not strong.passed and {"check_loops", "check_quality"} <= set(strong.failed) and strong.damaged
+    assert strong.passes == 2 and "key facts 8 of the base's 10" in strong.note
+    facts = evaluate(START.__class__(0.5, "steer", 1.0, "a", "w"))        # no loop, but facts 8/10 < 0.95
+    assert not facts.passed and facts.failed == ("check_quality",) and facts.values["check_quality"] == 0.8
+    at_bound = evaluate(START.__class__(0.4, "steer", 1.0, "a", "w"))     # 9/10 = 0.9 < 0.95 still fails
+    assert not at_bound.passed and at_bound.failed == ("check_quality",)
+    ok = evaluate(START.__class__(0.3, "steer", 1.0, "a", "w"))
+    assert ok.passed and ok.passes == 2 and ok.values["check_loops"] == 0.0 and ok.values["check_quality"] == 1.0
+    weaker = evaluate(START.__class__(0.2, "steer", 1.0, "a", "w"))
+    assert weaker.passed and weaker.passes == 1                 # covered by the checked 0.3
+    assert [k for k, _ in calls].count("search-loop-check") == 4
 
 
 def test_target_effect_takes_the_weakest_passing_point_that_reaches_it():

@@ -87,6 +87,19 @@ def test_to_contrast_pairs_gives_plain_data(tmp_path):
     assert spec.preserve_prompts() == ["Tell me about the history of Rome."]
 
 
+def test_training_pairs_may_carry_key_facts(tmp_path):
+    """A training pair's optional keywords reach the search's training-question check, never the fit's pairs."""
+    data = copy.deepcopy(TINY)
+    data["directions"][0]["pairs"]["train"][0]["keywords"] = ["100"]
+    spec = load_behavior(_write(tmp_path, data))
+    assert spec.training_questions() == [
+        {"prompt": "What is the boiling point of water?", "keywords": ["100"]},
+        {"prompt": [{"role": "system", "content": "You are helpful."},
+                    {"role": "user", "content": "How many legs has a spider?"}], "keywords": []}]
+    assert "keywords" not in spec.to_contrast_pairs()[0]
+    assert spec.spec_hash != spec_hash(TINY)
+
+
 def test_hash_is_canonical():
     reordered = json.loads(json.dumps(TINY, sort_keys=True))
     assert parse_behavior(reordered).spec_hash == parse_behavior(TINY).spec_hash
@@ -129,6 +142,10 @@ def _broken(mutate) -> str:
     (lambda d: d["directions"][0]["pairs"]["train"][1]["prompt"][0].__setitem__("role", "bot"),
      "directions[0].pairs.train[1].prompt[0].role: must be one of"),
     (lambda d: d["heldout"][0].__setitem__("keywords", "299"), "heldout[0].keywords: must be a list of strings"),
+    (lambda d: d["directions"][0]["pairs"]["train"][0].__setitem__("keywords", "100"),
+     "directions[0].pairs.train[0].keywords: must be a list of strings"),
+    (lambda d: d["directions"][0]["pairs"]["train"][0].__setitem__("facts", ["100"]),
+     "directions[0].pairs.train[0].facts: unknown key"),
     (lambda d: d["preserve"].append(3), "preserve[1]: must be a string or a list of chat messages"),
     (lambda d: d["directions"].append(copy.deepcopy(d["directions"][0])),
      "directions: direction name 'concise' is used more than once"),

@@ -19,13 +19,16 @@ prompts are never looked at). The search spends at most ``budget`` passes, cheap
    one more statistics pass over the contrast pairs, no generation). Each is searched as in step 1 with the
    passes that are left.
 
-Rare loops: new loops appear at about 1-2 % of prompts on SmolLM2 past strength 0.4, which a validation
-split of a few dozen prompts cannot see. So a point that passes the validation gate is also run on the
-*loop check set*, the spec's training questions (answers generated fresh; the held-out prompts are never
-among them): any new loop, run to the token limit or empty answer beyond the gate's rates fails it
-(``check_loops``, a damage check). A weaker point of the same setting is taken to be covered by a stronger
-one that passed the check (damage grows with strength), so the check runs once per new strongest pass.
-It costs a second generation pass for those points (counted in the budget).
+Rare damage: new loops appear at about 1-2 % of prompts on SmolLM2 past strength 0.4, and a lost key fact
+at one point in ten (Qwen2.5-Coder-0.5B, 5 of 39 held-out facts at a point where all 18 validation facts held):
+a validation split of a few dozen prompts cannot see either. So a point that passes the validation gate is
+also run on the *training-question check*, the spec's training questions (answers generated fresh; the
+held-out prompts are never among them): any new loop, run to the token limit or empty answer beyond the
+gate's rates fails it (``check_loops``), and so do key-fact hits below the gate's quality ratio of the base's
+on the questions whose training pair carries ``keywords`` (``check_quality``). Both are damage checks. A
+weaker point of the same setting is taken to be covered by a stronger one that passed the check (damage
+grows with strength), so the check runs once per new strongest pass. It costs a second generation pass for
+those points (counted in the budget). (Manifests and logs call it the loop check where only loops existed.)
 
 Choice: with a *target effect* (the spec's ``target_effect``, e.g. a 40 % length cut for verbosity), the
 search aims at it and takes the **weakest** passing point that reaches it: a stronger edit buys no more of
@@ -48,7 +51,7 @@ from typing import Any
 from clef_model.errors import BlazeError
 
 DAMAGE_CHECKS = frozenset({"first_token_kl", "mean_token_kl", "loops", "limit", "empty", "decision_drift",
-                           "argmax_flips", "quality", "hold", "accept", "check_loops"})
+                           "argmax_flips", "quality", "hold", "accept", "check_loops", "check_quality"})
 """Gate checks that get worse as the edit gets stronger: a failure bounds the strength from above."""
 STEP_MIN, STEP_MAX, STEP_PASSING = 1.5, 4.0, 2.0
 BRACKET = 1.2           # bisect until the damaging strength is within 20 % of the best non-damaging one

@@ -68,6 +68,10 @@ class TrainPair:
     prompt: PromptValue
     wanted: str
     unwanted: str
+    keywords: tuple[str, ...] = ()
+    """Optional key facts of the question (as for validation items): the search's training-question check
+    counts the base's and the variant's hits on them, so a fact-losing point is seen on more than the
+    validation split's items. Not used to fit the edit."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +292,12 @@ class BehaviorSpec:
             raise SpecError(f"behaviour {self.name!r} has no direction {direction!r}; it has "
                             f"{[d.name for d in self.directions]}")
         return [pair for d in chosen for pair in _direction_pairs(d)]
+
+    def training_questions(self) -> list[dict[str, Any]]:
+        """Every direction's training questions as plain items ``{"prompt", "keywords"}`` (file order, repeats
+        kept): the search's training-question check, never the fit's data."""
+        return [{"prompt": plain_prompt(p.prompt), "keywords": list(p.keywords)}
+                for d in self.directions for p in d.pairs.train]
 
     def validation_items(self) -> list[dict[str, Any]]:
         """Every direction's validation items as plain dicts (for the strength sweep)."""
@@ -514,15 +524,16 @@ class _Validator:
         return PromptItem(prompt, keywords, avoid, stance) if prompt is not None else None
 
     def pair(self, value: Any, where: str) -> TrainPair | None:
-        raw = self.obj(value, where, ("prompt", "wanted", "unwanted"), ())
+        raw = self.obj(value, where, ("prompt", "wanted", "unwanted"), ("keywords",))
         if raw is None:
             return None
         prompt = self.prompt(raw.get("prompt", _MISSING), f"{where}.prompt")
         wanted = self.text(raw.get("wanted", _MISSING), f"{where}.wanted")
         unwanted = self.text(raw.get("unwanted", _MISSING), f"{where}.unwanted")
+        keywords = self.string_list(raw["keywords"], f"{where}.keywords") if "keywords" in raw else ()
         if prompt is None or wanted is None or unwanted is None:
             return None
-        return TrainPair(prompt, wanted, unwanted)
+        return TrainPair(prompt, wanted, unwanted, tuple(keywords or ()))
 
     def items(self, value: Any, where: str, parse) -> tuple:
         if not isinstance(value, list):
