@@ -118,16 +118,21 @@ def _label(question: dict[str, Any], label: Any) -> str:
     return normalize_label(question, label)
 
 
-def _check_record(item: Any, where: str) -> EvalRecord:
+def _check_record(item: Any, where: str, labelled: bool = True) -> EvalRecord:
     from clef_model.runtime import validate_request
 
     if not isinstance(item, dict):
-        raise BlazeError(f"{where}: expected a JSON object (a SystemOne request plus labels)")
+        raise BlazeError(f"{where}: expected a JSON object (a SystemOne request{' plus labels' if labelled else ''})")
     request = {key: item[key] for key in REQUEST_KEYS if key in item}
     try:
         validate_request(request)
     except ValueError as error:
         raise BlazeError(f"{where}: {error}") from None
+    images = request.get("images")
+    if images is not None and not isinstance(images, list):
+        raise BlazeError(f"{where}: 'images' must be a list")
+    if not labelled:  # a request file (`blaze edit --preserve-requests`): labels, if any, are not read
+        return EvalRecord(line=0, request=request, labels={})
     labels = item.get("labels")
     if not isinstance(labels, dict) or not labels:
         raise BlazeError(f"{where}: needs 'labels', an object mapping question ids to the right option id")
@@ -140,18 +145,20 @@ def _check_record(item: Any, where: str) -> EvalRecord:
             normalized[qid] = _label(request["questions"][qid], label)
         except ValueError as error:
             raise BlazeError(f"{where}: labels.{qid}: {error}") from None
-    images = request.get("images")
-    if images is not None and not isinstance(images, list):
-        raise BlazeError(f"{where}: 'images' must be a list")
     return EvalRecord(line=int(where.rsplit(":", 1)[1].split()[0]) if ":" in where else 0, request=request,
                       labels=normalized)
 
 
-def load_eval_file(path: Path) -> list[EvalRecord]:
-    """Read and check a labelled JSONL file; a bad record raises BlazeError naming `FILE:LINE`."""
+def load_eval_file(path: Path, *, labelled: bool = True) -> list[EvalRecord]:
+    """Read and check a labelled JSONL file; a bad record raises BlazeError naming `FILE:LINE`.
+
+    ``labelled=False`` reads the same format as plain SystemOne requests (`blaze edit --preserve-requests`):
+    `labels` may be absent and is ignored; the records' `labels` are empty."""
     path = Path(path)
     if not path.is_file():
-        raise BlazeError(f"decision eval file {path} not found; pass a JSONL file of labelled SystemOne requests")
+        what = "decision eval file" if labelled else "request file"
+        raise BlazeError(f"{what} {path} not found; pass a JSONL file of {'labelled ' if labelled else ''}"
+                         "SystemOne requests")
     records = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -161,7 +168,7 @@ def load_eval_file(path: Path) -> list[EvalRecord]:
             item = json.loads(line)
         except json.JSONDecodeError as error:
             raise BlazeError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-        record = _check_record(item, where)
+        record = _check_record(item, where, labelled)
         images = record.request.get("images")
         if images:
             resolved = [entry if not isinstance(entry, str) or entry.startswith(("data:", "http://", "https://"))
@@ -171,7 +178,7 @@ def load_eval_file(path: Path) -> list[EvalRecord]:
             record = EvalRecord(line=number, request=record.request, labels=record.labels)
         records.append(record)
     if not records:
-        raise BlazeError(f"{path}: no records; each line must be a labelled SystemOne request")
+        raise BlazeError(f"{path}: no records; each line must be a {'labelled ' if labelled else ''}SystemOne request")
     return records
 
 

@@ -36,7 +36,9 @@ What differs from `clef_finetune.train.train`, and why:
 
 The release is cached in `$BLAZE_CACHE/fixtures/` under a key of (seed, this code, the library versions);
 `build_decision_fixture` copies the cached folder to OUT. OUT also gets `decision_eval.jsonl`: held-out
-labelled records never used in training, three with an image (a data: URI, a relative PNG path).
+labelled records never used in training, three with an image (a data: URI, a relative PNG path); and
+`decision_dev.jsonl`: the `dev` split (240 labelled text records, neither trained on nor evaluated), a
+stand-in for a user's own decision traffic (`blaze edit --preserve-requests`), written at copy time.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ from clef_model.checkpoint import CheckpointReader, ShardedWriter, atomic_output
 from clef_model.errors import BlazeError
 
 EVAL_FILE = "decision_eval.jsonl"
+DEV_FILE = "decision_dev.jsonl"
+DEV_RECORDS = 240  # the dev split written beside the release: a stand-in for a user's own decision traffic
 IMAGES_DIR = "decision_eval_images"
 TRAIN_INFO_FILE = "blaze_decision_training.json"
 BUILD_VERSION = 3  # part of the cache key: bump it when the training or export code changes
@@ -583,11 +587,25 @@ def cached_decision_fixture(seed: int = 0, settings: TrainSettings | None = None
     return folder
 
 
+def dev_lines(seed: int = 0) -> str:
+    """The `dev` split as JSONL (labelled SystemOne requests, text only): `DEV_FILE`'s contents.
+
+    Deterministic for the seed; its names are the dev split's own (never a training or eval name) and its
+    records are neither trained on nor evaluated. It stands in for a user's own decision traffic, e.g.
+    `blaze edit --preserve-requests OUT/decision_dev.jsonl`."""
+    from clef_model.decision_data import generate
+
+    records = generate(DEV_RECORDS, seed=seed, split="dev")
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
 def build_decision_fixture(out: Path, *, seed: int = 0, force: bool = False) -> Path:
-    """Write the trained decision release (with `decision_eval.jsonl`) to `out`; returns `out`.
+    """Write the trained decision release (with `decision_eval.jsonl` and `decision_dev.jsonl`) to `out`;
+    returns `out`.
 
     A non-empty `out` is refused unless `force`. The first call for a seed trains (≤ 3 min on 2 CPU
-    cores); later calls copy the cached folder.
+    cores); later calls copy the cached folder. `decision_dev.jsonl` is written here, at copy time, from
+    `clef_model.decision_data` (not part of the cached build, so adding it changed no trained weight).
     """
     source = cached_decision_fixture(seed)
     out = Path(out)
@@ -599,6 +617,7 @@ def build_decision_fixture(out: Path, *, seed: int = 0, force: bool = False) -> 
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
+        (Path(tmp) / DEV_FILE).write_text(dev_lines(seed), encoding="utf-8")
     return out
 
 

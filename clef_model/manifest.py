@@ -190,6 +190,26 @@ class PatchInfo(_Section):
 
 
 @dataclass(frozen=True)
+class PreservedFile(_Section):
+    """One ``blaze edit --preserve-requests`` file: its name, SHA-256, the requests taken into the preserve set
+    and those skipped because they carry images (statistics run the text model only)."""
+
+    file: str | None = None
+    sha256: str | None = None
+    requests: int | None = None
+    skipped_images: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=_empty)
+    _KEYS = {"file": ("file", _string), "sha256": ("sha256", _string), "requests": ("requests", _integer),
+             "skipped_images": ("skipped_images", _integer)}
+
+
+def _preserved_files(value: Any, where: str) -> tuple[PreservedFile, ...]:
+    if not isinstance(value, list):
+        raise _fail(where, "a list of preserved request files", value)
+    return tuple(PreservedFile.from_dict(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+
+@dataclass(frozen=True)
 class EditInfo(_Section):
     """How the variant was made: a typed core the readers use; whatever else the command recorded is in `extra`.
 
@@ -210,12 +230,14 @@ class EditInfo(_Section):
     sweep: tuple[Mapping[str, Any], ...] | None = None
     command: str | None = None
     patch_sha256: str | None = None
+    preserve_files: tuple[PreservedFile, ...] | None = None  # `blaze edit --preserve-requests` (the user's traffic)
     extra: Mapping[str, Any] = field(default_factory=_empty)
     _KEYS = {"behavior": ("behavior", _string), "spec_hash": ("spec_hash", _string), "method": ("method", _string),
              "strength": ("strength", _number), "strength_mode": ("strength_mode", _string),
              "rank": ("rank", _integer), "lam": ("lambda", _number), "threshold": ("threshold", _number),
              "layers": ("layers", _integers), "kinds": ("kinds", _strings), "sweep": ("sweep", _objects),
-             "command": ("command", _string), "patch_sha256": ("patch_sha256", _string)}
+             "command": ("command", _string), "patch_sha256": ("patch_sha256", _string),
+             "preserve_files": ("preserve_files", _preserved_files)}
 
 
 @dataclass(frozen=True)

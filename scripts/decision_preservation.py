@@ -2,9 +2,11 @@
 and nullspace, measured on the canary decision suite and the held-out labelled eval set.
 
     python scripts/decision_preservation.py RELEASE WORKDIR [--strength 0.3] [--lambdas 0,1,100] [--null-threshold 0.1] [--auto]
+        [--preserve-requests FILE.jsonl ...]
 
 RELEASE is a `blaze fixture --preset decisions` folder. Each edit runs through the CLI (`blaze edit … --no-canary`,
-statistics cached between runs, so only the first collects them); the measurements run here:
+statistics cached between runs, so only the first collects them; `--preserve-requests FILE` is passed to
+every edit, e.g. RELEASE/decision_dev.jsonl, the user's own decision traffic); the measurements run here:
 
 - suite: max |Δp| and flips over the default decision suite (`canaries/suites/decisions.jsonl`, image included);
 - eval: max |Δp|, flips and accuracy over RELEASE/decision_eval.jsonl;
@@ -56,7 +58,10 @@ def main() -> None:
     parser.add_argument("--null-threshold", default=None,
                         help="nullspace --threshold (the spec's 0.01 is refused on the tiny fixture: every direction)")
     parser.add_argument("--auto", action="store_true", help="also run each setting at --strength auto")
+    parser.add_argument("--preserve-requests", action="append", default=[], type=Path, metavar="FILE",
+                        help="passed to every edit (`blaze edit --preserve-requests FILE`); repeatable")
     args = parser.parse_args()
+    preserve = [arg for path in args.preserve_requests for arg in ("--preserve-requests", str(path))]
     torch.set_num_threads(1)
 
     from canaries import decision_eval as de
@@ -88,7 +93,7 @@ def main() -> None:
     for strength in strengths:
         for label, extra in settings:
             out = args.workdir / re.sub(r"[^a-z0-9]+", "-", f"{label}-{strength}".lower()).strip("-")
-            seconds = _edit(args.release, out, strength, extra)
+            seconds = _edit(args.release, out, strength, [*extra, *preserve])
             manifest = json.loads((out / "blaze_manifest.json").read_text())
             variant = Runtime.load(str(out), device="cpu", dtype=torch.float32)
             changed = sorted({int(m.group(1)) for name in variant.release.weight_map()
@@ -107,7 +112,8 @@ def main() -> None:
                          "edit_seconds": round(seconds, 1)})
             print(json.dumps(rows[-1]), flush=True)
             del variant
-    result = {"release": str(args.release), "base_eval_accuracy": base_metrics.accuracy,
+    result = {"release": str(args.release), "preserve_requests": [str(p) for p in args.preserve_requests],
+              "base_eval_accuracy": base_metrics.accuracy,
               "base_mean_confidence": base_metrics.mean_confidence, "noise_floor": floor.__dict__, "rows": rows}
     (args.workdir / "preservation.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nbase eval accuracy {base_metrics.accuracy:.4f}, mean confidence {base_metrics.mean_confidence:.4f}; "

@@ -71,6 +71,7 @@ class BuildOptions:
     batch_size: int = 8
     cache_dir: Path | None = None
     progress: bool = True
+    preserve_requests: tuple[Path, ...] = ()  # JSONL files of the user's own SystemOne requests (decision traffic)
 
     def overrides(self) -> dict[str, Any]:
         """The edit settings given (field names of ``variants.spec.EditSettings``)."""
@@ -130,9 +131,41 @@ def read_positions(pairs: list[ContrastPair]) -> str:
     return "response"
 
 
-def preserve_set(spec: BehaviorSpec, runtime: Runtime) -> PreserveSet:
+@dataclass(frozen=True)
+class PreserveRequests:
+    """The user's own decision traffic (``--preserve-requests``): the text requests kept and, per file, what
+    the manifest records (:class:`clef_model.manifest.PreservedFile`)."""
+
+    requests: list[dict] = field(default_factory=list)
+    files: list[dict[str, Any]] = field(default_factory=list)  # file, sha256, requests, skipped_images
+
+    @property
+    def skipped(self) -> int:
+        """Requests left out because they carry images (statistics run the text model alone)."""
+        return sum(int(f["skipped_images"]) for f in self.files)
+
+
+def load_preserve_requests(paths: tuple[Path, ...] | list[Path]) -> PreserveRequests:
+    """Read ``--preserve-requests`` files: SystemOne requests in the decision-eval record format (``labels``
+    optional and ignored), checked by :func:`canaries.decision_eval.load_eval_file` (a bad line is a
+    BlazeError naming ``FILE:LINE``). Requests with images are skipped and counted."""
+    from canaries.decision_eval import load_eval_file
+    from clef_model.checkpoint import sha256_file
+
+    out = PreserveRequests()
+    for path in paths:
+        records = load_eval_file(Path(path), labelled=False)
+        kept = [r.request for r in records if not r.request.get("images")]
+        out.requests.extend(kept)
+        out.files.append({"file": Path(path).name, "sha256": sha256_file(Path(path)), "requests": len(kept),
+                          "skipped_images": len(records) - len(kept)})
+    return out
+
+
+def preserve_set(spec: BehaviorSpec, runtime: Runtime, extra: PreserveRequests | None = None) -> PreserveSet:
     """Default preserve set: the canary decision suite (Clef releases only; requests with images are
-    left out because statistics run the text model alone) + preserve_chat.json + the spec's preserve."""
+    left out because statistics run the text model alone) + preserve_chat.json + the spec's preserve, plus
+    the user's own requests (``extra``, from ``--preserve-requests``)."""
     from surgery.statistics import PreserveSet
 
     requests: list[dict] = []
@@ -140,6 +173,11 @@ def preserve_set(spec: BehaviorSpec, runtime: Runtime) -> PreserveSet:
         from canaries.suites import default_decision_suite, request_bodies
 
         requests = [r for r in request_bodies(default_decision_suite()) if not r.get("images")]
+    elif extra is not None and extra.files:
+        raise BlazeError("--preserve-requests needs a Clef release (SystemOne requests run through its joint "
+                         f"head); {runtime.release.ref} is not one")
+    if extra is not None:
+        requests += extra.requests
     return PreserveSet(texts=load_preserve_chat() + list(spec.preserve_prompts()), requests=requests)
 
 
@@ -153,13 +191,17 @@ def edit_settings(spec: BehaviorSpec, opts: BuildOptions, pairs: list[ContrastPa
 
 
 def _cache_file(opts: BuildOptions, runtime, spec, s: EditSettings, layers: str | None = None,
-                kinds: str | None = None) -> Path:
+                kinds: str | None = None, preserved: tuple[str, ...] = ()) -> Path:
+    """The statistics cache file; ``preserved`` (SHA-256 of the ``--preserve-requests`` files) gives those
+    statistics a file of their own (the fingerprint inside would refuse a mismatch anyway, but the default
+    preserve set's file is then not overwritten)."""
     from clef_model.env import cache_root
 
     root = opts.cache_dir or cache_root() / "statistics"
     key = json.dumps([str(runtime.release.path), getattr(runtime.release, "revision", None), spec.spec_hash,
                       layers or s.layers, kinds or s.kinds_text, s.rank, str(runtime.dtype), str(runtime.device)]
-                     + ([s.positions] if s.positions != "response" else []))
+                     + ([s.positions] if s.positions != "response" else [])
+                     + ([list(preserved)] if preserved else []))
     return Path(root) / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -312,6 +354,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     if s.rank > len(pairs):
         raise BlazeError(f"--rank {s.rank} is above the limit of {len(pairs)} set by the spec's {len(pairs)} "
                          f"contrast pairs: use --rank {len(pairs)} or lower")
+    own = load_preserve_requests(opts.preserve_requests)  # before the model loads: a bad line fails fast
+    preserved = tuple(f["sha256"] for f in own.files)
     echo(f"behaviour {spec.name} v{spec.version}: {spec.description}")
     import torch
 
@@ -320,9 +364,12 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                            trust_release_code=opts.trust_release_code)
     echo(f"base {runtime.release.ref} ({runtime.release.architecture}, {len(runtime.decoder_layers())} layers) "
          f"on {runtime.device}")
-    keep = preserve_set(spec, runtime)
+    keep = preserve_set(spec, runtime, own)
     echo(f"data: {len(pairs)} contrast pairs, preserve {len(keep.texts)} chat prompts + "
-         f"{len(keep.requests)} typed-decision requests")
+         f"{len(keep.requests)} typed-decision requests"
+         + (f" ({len(own.requests)} from --preserve-requests "
+            f"{', '.join(str(f['file']) for f in own.files)}; {own.skipped} with images skipped: statistics run "
+            "the text model only)" if own.files else ""))
     echo(f"directions read at: {s.positions}")
     times.mark("load")
     collected: dict[tuple[str, ...], Any] = {}
@@ -335,7 +382,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
             if (layers, kinds, method) not in collected:
                 from surgery.distill import collect_distill_statistics
 
-                cache = _cache_file(opts, runtime, spec, s, layers, kinds)
+                cache = _cache_file(opts, runtime, spec, s, layers, kinds, preserved)
                 collected[layers, kinds, method] = collect_distill_statistics(
                     runtime, pairs, keep, layers, kinds, max_new_tokens=s.max_new_tokens, rank=s.rank,
                     batch_size=opts.batch_size, progress=opts.progress, echo=echo,
@@ -344,7 +391,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         if (layers, kinds) not in collected:
             collected[layers, kinds] = collect_statistics(
                 runtime, pairs, keep, layers, kinds, rank=s.rank, batch_size=opts.batch_size,
-                cache=_cache_file(opts, runtime, spec, s, layers, kinds), progress=opts.progress, echo=echo,
+                cache=_cache_file(opts, runtime, spec, s, layers, kinds, preserved), progress=opts.progress,
+                echo=echo,
                 positions=s.positions)
         return collected[layers, kinds]
 
@@ -422,6 +470,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         "threshold": s.threshold, "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
         "positions": s.positions,
         "layers_spec": start.layers, "statistics": {k: v for k, v in stats.meta.items() if k != "shapes"},
+        **({"preserve_files": own.files} if own.files else {}),
         "canary_gate": None if report is None else {"passed": report["gate"]["passed"],
                                                     "failed": report["gate"]["failed"]},
     }

@@ -267,6 +267,10 @@ def _method_section(variant_dir: Path, manifest: Manifest | None, spec_name: str
                f"tensor is byte-identical to the base. The low-rank factors are in `{DELTA}`.")
     out.append("")
     out += [f"- {label}: {_fmt(value)}" for label, value in facts if value not in (None, "", [])]
+    for preserved in edit.preserve_files or ():  # `blaze edit --preserve-requests`: the user's own traffic
+        skipped = f"; {preserved.skipped_images} with images left out" if preserved.skipped_images else ""
+        out.append(f"- Preserved decision traffic: `{preserved.file}`, {preserved.requests} requests in the "
+                   f"preserve set{skipped} (SHA-256 `{preserved.sha256}`)")
     targets = _edited_matrices(variant_dir, manifest)
     if targets:
         ranks = sorted({rank for _, rank in targets if rank})

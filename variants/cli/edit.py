@@ -43,9 +43,15 @@ EDIT_SKIP = ("strength_grid",)
               help="Run a base's release code even if its SHA-256 is not on blaze's allowlist.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where activation statistics are cached (default: $BLAZE_CACHE or ~/.cache/blaze).")
+@click.option("--preserve-requests", "preserve_requests", multiple=True, type=click.Path(path_type=Path),
+              metavar="FILE.jsonl",
+              help="Your own decision traffic to preserve (Clef releases; repeatable): SystemOne requests, one JSON "
+                   "object a line, in the decision-eval record format (`labels` optional and ignored). Added to "
+                   "the preserve set; requests with images are skipped (statistics run the text model only). "
+                   "The files' SHA-256 go into the manifest.")
 def edit(behavior: str, out: Path, base: str | None, revision: str | None, device: str | None, dtype: str | None,
          batch_size: int, force: bool, no_canary: bool, export_lora: Path | None, trust_release_code: bool,
-         cache_dir: Path | None, **settings: Any) -> None:
+         cache_dir: Path | None, preserve_requests: tuple[Path, ...], **settings: Any) -> None:
     """Make a behaviour variant of a base release by closed-form, rank-limited weight edits.
 
     \b
@@ -55,6 +61,7 @@ def edit(behavior: str, out: Path, base: str | None, revision: str | None, devic
     Example:
       blaze edit --behavior verbosity --out ./clef-flash-concise
       blaze edit --base smollm2 --behavior verbosity --out ./smollm2-concise --device cpu
+      blaze edit --behavior verbosity --preserve-requests my_traffic.jsonl --out ./clef-flash-concise
     """
     from clef_model.env import quiet
     from variants.build import BuildOptions, build_variant
@@ -66,7 +73,7 @@ def edit(behavior: str, out: Path, base: str | None, revision: str | None, devic
             behavior=behavior, out=out, base=base, revision=revision, **settings, gate=gate, device=device,
             dtype=dtype, force=force, canary=not no_canary, export_lora=export_lora,
             trust_release_code=trust_release_code, batch_size=batch_size, cache_dir=cache_dir,
-            progress=not quiet(),
+            progress=not quiet(), preserve_requests=tuple(preserve_requests),
         ), echo=lambda message: click.echo(message, err=True))
     except NoPassingPoint as verdict:  # a gate verdict, not bad input: exit code 1
         click.echo(f"gate: {verdict}", err=True)
