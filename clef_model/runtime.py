@@ -341,8 +341,9 @@ class Runtime:
             messages.insert(0, {"role": "system", "content": system})
         return messages
 
-    def chat_text(self, prompt: Prompt, system: str | None = None) -> str:
-        """The prompt rendered by the release's chat template (generation prompt, thinking off)."""
+    def chat_text(self, prompt: Prompt, system: str | None = None, generation_prompt: bool = True) -> str:
+        """The prompt rendered by the release's chat template (with the generation prompt unless told
+        otherwise; thinking off)."""
         if not self._chat_template:
             raise ReleaseError(f"{self.release.ref} has no chat template; free-form generation needs one.")
         from jinja2 import TemplateError
@@ -351,7 +352,7 @@ class Runtime:
             return self.tokenizer.apply_chat_template(
                 self._messages(prompt, system),
                 chat_template=self._chat_template,
-                add_generation_prompt=True,
+                add_generation_prompt=generation_prompt,
                 enable_thinking=False,
                 tokenize=False,
             )
@@ -359,9 +360,11 @@ class Runtime:
             raise ReleaseError(f"the chat template of {self.release.ref} does not render ({error}); "
                                "chat_template.jinja is damaged, re-download the release.") from None
 
-    def chat_ids(self, prompt: Prompt, system: str | None = None) -> list[int]:
-        """Token ids of the prompt through the release's chat template, add_generation_prompt, thinking off."""
-        return list(self.tokenizer(self.chat_text(prompt, system), add_special_tokens=False).input_ids)
+    def chat_ids(self, prompt: Prompt, system: str | None = None, generation_prompt: bool = True) -> list[int]:
+        """Token ids of the prompt through the release's chat template (add_generation_prompt unless told
+        otherwise), thinking off."""
+        return list(self.tokenizer(self.chat_text(prompt, system, generation_prompt),
+                                   add_special_tokens=False).input_ids)
 
     def stop_token_ids(self) -> list[int]:
         """Token ids that end an answer: the generation config's eos ids and the tokenizer's eos."""

@@ -76,7 +76,8 @@ def statistics_fingerprint(runtime: Any, pairs: Sequence[ContrastPair], preserve
         "revision": getattr(runtime.release, "revision", None),
         "dtype": str(getattr(runtime, "dtype", "")),
         "pairs": [vars(p) for p in pairs],
-        "preserve": {"texts": preserve.texts, "requests": preserve.requests} if preserve else None,
+        "preserve": {"texts": preserve.texts, "requests": preserve.requests,
+                     **({"questions": preserve.questions} if preserve.questions else {})} if preserve else None,
         "targets": targets,
         **extra,
     }

@@ -86,6 +86,9 @@ class PreserveSet:
 
     texts: list[Any] = field(default_factory=list)
     requests: list[dict] = field(default_factory=list)
+    questions: list[Any] = field(default_factory=list)
+    """Chat prompts whose question tokens are preserved but not their generation prompt (the positions that
+    write the answer's first token stay free to change): ``blaze edit --questions preserve``."""
 
 
 @dataclass
@@ -220,11 +223,17 @@ def contrast_sequences(runtime: Runtime, pairs: Sequence[ContrastPair], max_leng
 
 
 def preserve_sequences(runtime: Runtime, preserve: PreserveSet, max_length: int = 2048) -> list[_Sequence]:
-    """Every position of the neutral chat prompts and of the encoded SystemOne requests."""
+    """Every position of the neutral chat prompts and of the encoded SystemOne requests; of the questions,
+    every position before the generation prompt (and never the last, which writes the first answer token)."""
     out: list[_Sequence] = []
     for prompt in preserve.texts:
         ids = list(runtime.chat_ids(prompt))[:max_length]
         out.append(_Sequence(ids=ids, positions=list(range(len(ids)))))
+    for prompt in preserve.questions:
+        ids = list(runtime.chat_ids(prompt))[:max_length]
+        end = min(len(runtime.chat_ids(prompt, generation_prompt=False)), len(ids) - 1)
+        if end > 0:
+            out.append(_Sequence(ids=ids, positions=list(range(end))))
     if preserve.requests:
         if not getattr(runtime, "is_clef", False):
             raise BlazeError("typed-decision requests in the preserve set need a Clef release")

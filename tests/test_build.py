@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import faults_support
 import pytest
@@ -143,3 +144,24 @@ def test_read_positions_prefers_system_prompt_contrast():
     assert read_positions(with_systems) == "shared_response"
     assert read_positions(with_systems + [ContrastPair("q", "a", "b")]) == "response"
     assert read_positions([ContrastPair("q", "a", "b", "same", "same")]) == "response"
+
+
+def test_questions_preserve_adds_the_training_questions_but_no_validation_or_heldout_prompt():
+    """--questions preserve: the preserve set gains the training questions (the training-question check's
+    set); a training prompt that is also a validation or held-out item never enters, and `edit` adds none."""
+    from types import SimpleNamespace
+
+    from variants.build import BuildOptions, edit_settings, preserve_set
+    from variants.spec import load_behavior
+
+    spec = load_behavior("verbosity")
+    runtime = SimpleNamespace(is_clef=False)
+    assert preserve_set(spec, runtime).questions == []
+    asked = preserve_set(spec, runtime, questions=True).questions
+    training = {repr(q["prompt"]) for q in spec.training_questions()}
+    held = {repr(i["prompt"]) for i in spec.validation_items() + spec.heldout_items()}
+    assert asked and {repr(q) for q in asked} == training - held
+    settings = edit_settings(spec, BuildOptions(behavior="verbosity", out=Path("unused"), questions="preserve"))
+    assert settings.questions == "preserve"
+    with pytest.raises(BlazeError, match="questions: must be one of edit, preserve"):
+        edit_settings(spec, BuildOptions(behavior="verbosity", out=Path("unused"), questions="maybe"))

@@ -37,9 +37,10 @@ class MiniRuntime:
         self.device, self.dtype, self.is_clef = torch.device("cpu"), torch.float32, False
         self.tokenizer = CharTokenizer()
 
-    def chat_ids(self, prompt, system=None):
+    def chat_ids(self, prompt, system=None, generation_prompt=True):
         text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
-        return self.tokenizer.encode((f"S:{system}|" if system else "") + f"U:{text}|A:")
+        return self.tokenizer.encode((f"S:{system}|" if system else "") + f"U:{text}|" + ("A:" if generation_prompt
+                                                                                           else ""))
 
     def text_model(self):
         return self.model.model
@@ -97,6 +98,36 @@ def test_hooks_match_brute_force(mini):
     both = torch.cat([keys_all[4], keys_all[5]])
     assert torch.allclose(ks.pair_means[2], both.mean(0), atol=1e-5)
     assert sorted(stats.wanted_means) == [0, 1, 2, 3]
+
+
+def test_question_keys_stop_before_the_generation_prompt(mini):
+    """--questions preserve: a question's tokens are preserved, its generation prompt (whose last position
+    writes the answer's first token) is not; the moment is over exactly those keys."""
+    from surgery.statistics import preserve_sequences
+
+    question = "capital of Peru?"
+    seqs = preserve_sequences(mini, PreserveSet(questions=[question]))
+    full, bare = mini.chat_ids(question), mini.chat_ids(question, generation_prompt=False)
+    assert len(bare) < len(full) and seqs[0].ids == full and seqs[0].positions == list(range(len(bare)))
+    target = "model.layers.1.mlp.down_proj"
+    captured = {}
+    handle = mini.named_linears()[target].register_forward_pre_hook(
+        lambda _m, i: captured.__setitem__("k", i[0][0].double()))
+    with torch.no_grad():
+        mini.model.model(input_ids=torch.tensor([full]))
+    handle.remove()
+    kp = captured["k"][: len(bare)]
+    ks = collect(mini, PAIRS, PreserveSet(questions=[question]), [target]).keys[target]
+    assert ks.preserve_count == len(bare)
+    assert torch.allclose(ks.preserve_moment, kp.T @ kp / len(kp), atol=1e-5)
+
+
+def test_questions_change_the_statistics_fingerprint(mini):
+    from surgery.plan import statistics_fingerprint
+
+    plain = statistics_fingerprint(mini, PAIRS, PreserveSet(texts=["hi"]), [], {})
+    assert plain == statistics_fingerprint(mini, PAIRS, PreserveSet(texts=["hi"], questions=[]), [], {})
+    assert plain != statistics_fingerprint(mini, PAIRS, PreserveSet(texts=["hi"], questions=["q?"]), [], {})
 
 
 def test_response_positions_start_at_last_prompt_token(mini):

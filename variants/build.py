@@ -43,7 +43,7 @@ DATA_DIR = Path(__file__).parent / "data"
 
 @dataclass
 class BuildOptions:
-    """Every option of ``blaze edit``. The edit settings (method … positions) and ``gate`` override the
+    """Every option of ``blaze edit``. The edit settings (method … questions) and ``gate`` override the
     behaviour spec's ``defaults`` and ``gate``; ``None`` (or absent) means "the spec's"."""
 
     behavior: str
@@ -61,6 +61,7 @@ class BuildOptions:
     budget: int | None = None
     target_effect: float | None = None
     positions: str | None = None
+    questions: str | None = None
     gate: dict[str, Any] = field(default_factory=dict)
     device: str | None = None
     dtype: str | None = None
@@ -162,10 +163,13 @@ def load_preserve_requests(paths: tuple[Path, ...] | list[Path]) -> PreserveRequ
     return out
 
 
-def preserve_set(spec: BehaviorSpec, runtime: Runtime, extra: PreserveRequests | None = None) -> PreserveSet:
+def preserve_set(spec: BehaviorSpec, runtime: Runtime, extra: PreserveRequests | None = None,
+                 questions: bool = False) -> PreserveSet:
     """Default preserve set: the canary decision suite (Clef releases only; requests with images are
     left out because statistics run the text model alone) + preserve_chat.json + the spec's preserve, plus
-    the user's own requests (``extra``, from ``--preserve-requests``)."""
+    the user's own requests (``extra``, from ``--preserve-requests``), plus with ``questions`` the training
+    questions' own tokens (``--questions preserve``; the training-question check's set, so no validation or
+    held-out prompt enters)."""
     from surgery.statistics import PreserveSet
 
     requests: list[dict] = []
@@ -178,7 +182,9 @@ def preserve_set(spec: BehaviorSpec, runtime: Runtime, extra: PreserveRequests |
                          f"head); {runtime.release.ref} is not one")
     if extra is not None:
         requests += extra.requests
-    return PreserveSet(texts=load_preserve_chat() + list(spec.preserve_prompts()), requests=requests)
+    asked = [item["prompt"] for item in loop_check_items(spec)] if questions else []
+    return PreserveSet(texts=load_preserve_chat() + list(spec.preserve_prompts()), requests=requests,
+                       questions=asked)
 
 
 def edit_settings(spec: BehaviorSpec, opts: BuildOptions, pairs: list[ContrastPair] | None = None) -> EditSettings:
@@ -201,6 +207,7 @@ def _cache_file(opts: BuildOptions, runtime, spec, s: EditSettings, layers: str 
     key = json.dumps([str(runtime.release.path), getattr(runtime.release, "revision", None), spec.spec_hash,
                       layers or s.layers, kinds or s.kinds_text, s.rank, str(runtime.dtype), str(runtime.device)]
                      + ([s.positions] if s.positions != "response" else [])
+                     + (["questions"] if s.questions == "preserve" else [])
                      + ([list(preserved)] if preserved else []))
     return Path(root) / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
@@ -364,9 +371,10 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                            trust_release_code=opts.trust_release_code)
     echo(f"base {runtime.release.ref} ({runtime.release.architecture}, {len(runtime.decoder_layers())} layers) "
          f"on {runtime.device}")
-    keep = preserve_set(spec, runtime, own)
+    keep = preserve_set(spec, runtime, own, questions=s.questions == "preserve")
     echo(f"data: {len(pairs)} contrast pairs, preserve {len(keep.texts)} chat prompts + "
-         f"{len(keep.requests)} typed-decision requests"
+         + (f"{len(keep.questions)} training questions (question tokens) + " if keep.questions else "")
+         + f"{len(keep.requests)} typed-decision requests"
          + (f" ({len(own.requests)} from --preserve-requests "
             f"{', '.join(str(f['file']) for f in own.files)}; {own.skipped} with images skipped: statistics run "
             "the text model only)" if own.files else ""))
@@ -468,7 +476,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     manifest_extra = {
         **common, **choice, "method": start.method, "rank": s.rank, "lambda": start.lam,
         "threshold": s.threshold, "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
-        "positions": s.positions,
+        "positions": s.positions, "questions": s.questions,
         "layers_spec": start.layers, "statistics": {k: v for k, v in stats.meta.items() if k != "shapes"},
         **({"preserve_files": own.files} if own.files else {}),
         "canary_gate": None if report is None else {"passed": report["gate"]["passed"],

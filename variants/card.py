@@ -267,6 +267,9 @@ def _method_section(variant_dir: Path, manifest: Manifest | None, spec_name: str
                f"tensor is byte-identical to the base. The low-rank factors are in `{DELTA}`.")
     out.append("")
     out += [f"- {label}: {_fmt(value)}" for label, value in facts if value not in (None, "", [])]
+    if edit.extra.get("questions") == "preserve":  # `--questions preserve`
+        out.append("- Question tokens preserved: the edit is penalised for changing the model's inputs at the "
+                   "training questions' own tokens, where facts are recalled; it acts on the answer positions")
     for preserved in edit.preserve_files or ():  # `blaze edit --preserve-requests`: the user's own traffic
         skipped = f"; {preserved.skipped_images} with images left out" if preserved.skipped_images else ""
         out.append(f"- Preserved decision traffic: `{preserved.file}`, {preserved.requests} requests in the "

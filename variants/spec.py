@@ -123,6 +123,7 @@ STRENGTH_MAX = 10.0
 """Largest strength accepted: 10 × a layer's contrastive mean difference is far past any edit that passes a
 gate (the shipped behaviours pass at 0.1-0.4 on SmolLM2); larger values are typos or overflow."""
 POSITIONS = ("auto", "response", "shared_response", "prompt_end")
+QUESTIONS = ("edit", "preserve")
 
 
 def parse_strength(value: Any) -> float | str:
@@ -192,6 +193,10 @@ class EditSettings:
     positions: str = field(default="auto", metadata=_opt(
         "Where directions are read: `auto` (shared_response when every pair contrasts two system prompts, "
         "else response), `response`, `shared_response`, `prompt_end`.", choices=POSITIONS))
+    questions: str = field(default="edit", metadata=_opt(
+        "`preserve`: add the training questions' own tokens (the question, not the answer positions) to the "
+        "preserved inputs, so the edit leaves the model's reading of a question alone (where mid-layer MLPs "
+        "recall facts); `edit`: no such constraint.", choices=QUESTIONS))
 
     def __post_init__(self) -> None:
         problems = settings_problems(self)
@@ -235,6 +240,8 @@ def settings_problems(settings: EditSettings) -> list[str]:
         problems.append(f"method: must be one of {', '.join(METHODS)}, got {settings.method!r}")
     if settings.positions not in POSITIONS:
         problems.append(f"positions: must be one of {', '.join(POSITIONS)}, got {settings.positions!r}")
+    if settings.questions not in QUESTIONS:
+        problems.append(f"questions: must be one of {', '.join(QUESTIONS)}, got {settings.questions!r}")
     for name, minimum in (("rank", 1), ("max_new_tokens", 1), ("budget", 1)):
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -587,6 +594,7 @@ class _Validator:
             ("budget", "budget", lambda v: self.number(v, "defaults.budget", minimum=1, integer=True)),
             ("target_effect", "target_effect", lambda v: self.number(v, "defaults.target_effect", minimum=0)),
             ("positions", "positions", lambda v: self.choice(v, "defaults.positions", POSITIONS)),
+            ("questions", "questions", lambda v: self.choice(v, "defaults.questions", QUESTIONS)),
         )
         out = {name: parse(raw[key]) for key, name, parse in parsers if key in raw}
         if self.errors or any(v is None for v in out.values()) or any(
