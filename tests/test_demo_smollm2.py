@@ -45,7 +45,8 @@ def evaluate(behavior: str, strengths: list[float], *, limit: int | None = None,
     started = time.perf_counter()
     positions = s.positions
     cache = _cache_file(opts, rt, spec, s)  # the same file `blaze edit` uses (scripts/demo.sh fills it)
-    stats = collect_statistics(rt, contrast_pairs(spec), preserve_set(spec, rt), s.layers, s.kinds_text,
+    keep = preserve_set(spec, rt, questions=s.questions == "preserve")
+    stats = collect_statistics(rt, contrast_pairs(spec), keep, s.layers, s.kinds_text,
                                rank=s.rank, cache=cache, echo=echo, positions=positions)
     echo(f"statistics ready in {time.perf_counter() - started:.0f} s; layers {stats.meta['layers']}")
     items = spec.heldout_items()[:limit]
