@@ -141,6 +141,15 @@ def test_card_says_how_it_was_made_and_how_to_use_it(variant: Path):
     assert "enable_thinking=False" in card and 'snapshot_download("you/clef-flash-concise")' in card
     assert "cross-prompt effects" in card
     assert "License: apache-2.0, inherited from the base model" in card
+    assert "Question tokens preserved" not in card           # the fixture's edit did not preserve them
+
+
+def test_card_says_when_question_tokens_were_preserved(variant: Path):
+    manifest_path = variant / "blaze_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["edit"]["questions"] = "preserve"
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    assert "Question tokens preserved" in render_card(variant, "you/clef-flash-concise")
 
 
 def test_behaviour_description_only_for_the_same_spec(variant: Path):
