@@ -17,7 +17,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from clef_model.decision_fixture import EVAL_FILE, cached_decision_fixture
+from clef_model.decision_fixture import DEV_FILE, EVAL_FILE, cached_decision_fixture
 from variants.cli import main
 
 # Opt-in (BLAZE_DECISION_BAR=1): slow on CPU. On the BUILD_VERSION 4 fixture the bar's edit gives, through
@@ -43,7 +43,8 @@ def test_bar_trained_decisions_survive_the_default_verbosity_edit(tmp_path):
     d, v, r = tmp_path / "D", tmp_path / "V", tmp_path / "R.json"
     _run(["fixture", "--preset", "decisions", str(d)])
     assert (d / EVAL_FILE).is_file() and (d / "joint_schema_model.py").is_file()
-    assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in cached.iterdir())
+    # OUT = the cached build + the dev split, written at copy time (build_decision_fixture)
+    assert sorted(p.name for p in d.iterdir()) == sorted([p.name for p in cached.iterdir()] + [DEV_FILE])
     # the edit reads the cached folder (the same bytes as D): blaze's statistics cache is keyed by the base's
     # path, so a stable path collects the verbosity statistics once, not in every session
     _run(["edit", "--base", str(cached), "--behavior", "verbosity", "--strength", "0.3", "--no-canary", "--out",
