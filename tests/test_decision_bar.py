@@ -24,8 +24,8 @@ from variants.cli import main
 # canaries.decision_eval (what the canary calls), records 240, accuracy 1.000 / 1.000, mean confidence 0.99997,
 # max |Δp| 0.0017 and 0 flips, with the unedited base's own bf16 noise floor at 0.0016 (README "Typed decisions,
 # measured"; v3 missed max |Δp| with 0.022 against a floor of 0.0228). A cold cache also trains the fixture
-# (~1.6 min CPU, 2.3 min wall on the shared 2-core VM) and collects the verbosity statistics (~1 min CPU); the
-# CLI canary's free-form suites take most of the time (35 min wall on the v3 fixture at a high load).
+# (~1.6 min CPU, 2.3 min wall on the shared 2-core VM) and collects the verbosity statistics (~1 min CPU); with
+# the fixture cached the bar test took 1 min 44 s (the same figures through the CLI canary, max |Δp| 0.00166).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("BLAZE_DECISION_BAR") != "1",
