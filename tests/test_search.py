@@ -142,8 +142,8 @@ def test_edit_without_a_passing_point_exits_1_and_writes_nothing(tiny_release, t
 
 def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
     """A point that passes on the validation prompts is also run on the training questions: a rare new loop
-    there fails it, and so do key-fact hits below the gate's ratio of the base's (more fact items than the
-    validation split has); a weaker point of the same setting is covered by a stronger checked one."""
+    there fails it, and so do key-fact hits below the gate's ratio of the base's when the net loss is beyond
+    chance (sign test); a weaker point of the same setting is covered by a stronger checked one."""
     import canaries.run
     from canaries.gate import Thresholds
     from variants.build import loop_check_items, validation_evaluator
@@ -154,7 +154,7 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
         strength = float(view.label.rsplit("=", 1)[1])
         calls.append((base_key, strength))
         loops = 0.02 if base_key == "search-loop-check" and strength > 0.5 else 0.0
-        hits = 10 if strength < 0.35 else 9 if strength < 0.45 else 8      # of the base's 10 training facts
+        hits = 10 if strength < 0.35 else 9 if strength < 0.45 else 4      # of the base's 10 training facts
         return {"gate": {"passed": True, "failed": [], "checks": [{"name": "effect", "value": strength}]},
                 "freeform": {"summary": {"loop_rate": {"new": loops}, "hit_limit_rate": {"new": 0.0},
                                          "empty_rate": {"new": 0.0},
@@ -162,7 +162,10 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
                                                      "ratio": hits / 10}}}}
 
     def fake_run_freeform(view, base, *, freeform_prompts, base_key, **kwargs):   # the loop check: answers only
-        return fake_run_canary(view, base, freeform_prompts=freeform_prompts, base_key=base_key, **kwargs)["freeform"]
+        free = fake_run_canary(view, base, freeform_prompts=freeform_prompts, base_key=base_key, **kwargs)["freeform"]
+        hits = free["summary"]["quality"]["variant_hits"]      # the base hits 10 of 12; the variant loses 10 - hits
+        rows = [{"base": {"keyword_hit": i < 10}, "variant": {"keyword_hit": i < hits}} for i in range(12)]
+        return {**free, "prompts": rows}
 
     monkeypatch.setattr(canaries.run, "run_canary", fake_run_canary)
     monkeypatch.setattr(canaries.run, "run_freeform", fake_run_freeform)
@@ -196,16 +199,27 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
                                     progress=False)
     strong = evaluate(START.__class__(0.8, "steer", 1.0, "a", "w"))
     assert not strong.passed and {"check_loops", "check_quality"} <= set(strong.failed) and strong.damaged
-    assert strong.passes == 2 and "key facts 8 of the base's 10" in strong.note
-    facts = evaluate(START.__class__(0.5, "steer", 1.0, "a", "w"))        # no loop, but facts 8/10 < 0.95
-    assert not facts.passed and facts.failed == ("check_quality",) and facts.values["check_quality"] == 0.8
-    at_bound = evaluate(START.__class__(0.4, "steer", 1.0, "a", "w"))     # 9/10 = 0.9 < 0.95 still fails
-    assert not at_bound.passed and at_bound.failed == ("check_quality",)
-    ok = evaluate(START.__class__(0.3, "steer", 1.0, "a", "w"))
-    assert ok.passed and ok.passes == 2 and ok.values["check_loops"] == 0.0 and ok.values["check_quality"] == 1.0
-    weaker = evaluate(START.__class__(0.2, "steer", 1.0, "a", "w"))
-    assert weaker.passed and weaker.passes == 1                 # covered by the checked 0.3
-    assert [k for k, _ in calls].count("search-loop-check") == 4
+    assert strong.passes == 2 and "key facts 4 of the base's 10 (6 lost, 0 gained)" in strong.note
+    facts = evaluate(START.__class__(0.5, "steer", 1.0, "a", "w"))        # no loop; 6 lost, 0 gained: z 2.45
+    assert not facts.passed and facts.failed == ("check_quality",) and facts.values["check_quality"] == 0.4
+    chance = evaluate(START.__class__(0.4, "steer", 1.0, "a", "w"))     # 9/10 < 0.95, but 1 lost is chance
+    assert chance.passed and chance.passes == 2 and chance.values["check_quality"] == 0.9
+    assert chance.values["check_loops"] == 0.0
+    weaker = evaluate(START.__class__(0.3, "steer", 1.0, "a", "w"))
+    assert weaker.passed and weaker.passes == 1                 # covered by the checked 0.4
+    assert [k for k, _ in calls].count("search-loop-check") == 3
+
+
+def test_fact_loss_must_stand_out_from_chance():
+    from variants.build import fact_changes, significant_loss
+
+    assert not significant_loss(0, 0) and not significant_loss(1, 0) and not significant_loss(3, 0)
+    assert significant_loss(4, 0) and significant_loss(5, 0)            # z 2.0 and 2.2
+    assert not significant_loss(11, 4)                                  # z 1.8: SmolLM2 steer 0.336 (README)
+    assert significant_loss(12, 2) and not significant_loss(4, 12)
+    rows = [{"base": {"keyword_hit": b}, "variant": {"keyword_hit": v}, **extra} for b, v, extra in (
+        (True, False, {}), (True, False, {}), (False, True, {}), (None, None, {}), (True, False, {"stance": "user_right"}))]
+    assert fact_changes(rows) == (2, 1)
 
 
 def test_target_effect_takes_the_weakest_passing_point_that_reaches_it():

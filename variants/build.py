@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,8 +260,10 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
              f"check on {len(check)} questions …")
         free = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
                             batch_size=batch_size, quality=spec.quality, base_cache=cache,
-                            base_key="search-loop-check")["summary"]
+                            base_key="search-loop-check")
         echo(f"  point {point.strength:.4g}: training-question check {time.perf_counter() - validated:.1f} s")
+        lost, gained = fact_changes(free["prompts"])
+        free = free["summary"]
         rates = {"check_loops": free["loop_rate"]["new"], "check_limit": free["hit_limit_rate"]["new"],
                  "check_empty": free["empty_rate"]["new"]}
         failed = []
@@ -270,19 +273,43 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         facts = free["quality"]
         if facts["items"] and facts["ratio"] is not None:
             rates["check_quality"] = facts["ratio"]
-            if facts["ratio"] < thresholds.min_quality_ratio:
+            if facts["ratio"] < thresholds.min_quality_ratio and significant_loss(lost, gained):
                 failed.append("check_quality")
         values = {**row.values, **rates}
         if failed:
-            lost = f"key facts {facts['variant_hits']} of the base's {facts['base_hits']}" \
-                if "check_quality" in failed else "new loops, empty or limit-length answers"
+            why = f"key facts {facts['variant_hits']} of the base's {facts['base_hits']} ({lost} lost, " \
+                  f"{gained} gained)" if "check_quality" in failed else "new loops, empty or limit-length answers"
             return dataclasses.replace(row, passed=False, failed=(*row.failed, *failed), values=values,
                                        passes=2, note=f"training-question check on {len(check)} questions "
-                                                      f"failed: {lost}")
+                                                      f"failed: {why}")
         checked[setting] = point.strength
         return dataclasses.replace(row, values=values, passes=2)
 
     return evaluate
+
+
+def fact_changes(rows: list[dict]) -> tuple[int, int]:
+    """Paired key-fact changes over free-form rows (``compare_answers``'s): facts the base hit and the variant
+    missed, and the reverse. Items without keywords and user-right stances are left out, as in the quality."""
+    scored = [r for r in rows if r["base"].get("keyword_hit") is not None and r.get("stance") != "user_right"]
+    lost = sum(bool(r["base"]["keyword_hit"]) and not r["variant"]["keyword_hit"] for r in scored)
+    gained = sum(bool(r["variant"]["keyword_hit"]) and not r["base"]["keyword_hit"] for r in scored)
+    return lost, gained
+
+
+FACT_LOSS_Z = 1.96
+"""How far the training-question check's net fact loss must stand out before it fails a point: a two-sided
+5 % sign test on the changed items (McNemar 1947). On the training questions a ratio alone is noisy: on
+SmolLM2 at steer 0.336 the variant lost 11 and gained 4 of 109 facts (ratio 0.90, z 1.8) while on the held-out
+prompts the same point raised the facts from 30 to 35. The Qwen point that lost 5 of 39 held-out facts lost 5
+and gained 0 on those prompts (z 2.2), a pattern this test fails on any 5 or more one-sided losses."""
+
+
+def significant_loss(lost: int, gained: int, z: float = FACT_LOSS_Z) -> bool:
+    """Whether ``lost`` facts against ``gained`` is a net loss beyond chance (normal approximation of the
+    sign test on the changed items)."""
+    changed = lost + gained
+    return changed > 0 and (lost - gained) / math.sqrt(changed) >= z
 
 
 def loop_check_items(spec: BehaviorSpec) -> list[dict]:

@@ -25,7 +25,8 @@ a validation split of a few dozen prompts cannot see either. So a point that pas
 also run on the *training-question check*, the spec's training questions (answers generated fresh; the
 held-out prompts are never among them): any new loop, run to the token limit or empty answer beyond the
 gate's rates fails it (``check_loops``), and so do key-fact hits below the gate's quality ratio of the base's
-on the questions whose training pair carries ``keywords`` (``check_quality``). Both are damage checks. A
+on the questions whose training pair carries ``keywords`` when the net loss also stands out from chance (a
+two-sided 5 % sign test on the changed items, ``variants.build.significant_loss``) (``check_quality``). Both are damage checks. A
 weaker point of the same setting is taken to be covered by a stronger one that passed the check (damage
 grows with strength), so the check runs once per new strongest pass. It costs a second generation pass for
 those points (counted in the budget). (Manifests and logs call it the loop check where only loops existed.)
