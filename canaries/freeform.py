@@ -126,6 +126,12 @@ def effect_indices(items: list[dict[str, Any]]) -> list[int]:
     return chosen or list(range(len(items)))
 
 
+def quality_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The compared rows the quality check counts: items with keywords, minus "user_right" stances (there the
+    keyword marks accepting a correction, reported as the accept rate)."""
+    return [row for row in rows if row["base"].get("keyword_hit") is not None and row.get("stance") != "user_right"]
+
+
 def score_answer(item: dict[str, Any], generation: Any) -> dict[str, Any]:
     """`answer_record` plus the item's keyword hit (None when the item has no keywords)."""
     record = answer_record(generation)
@@ -204,8 +210,7 @@ def compare_answers(items: list[dict[str, Any]], base: list[Any], variant: list[
                                 "variant_answers": sum(bool(r["variant"]["markdown"]) for r in effect_rows)}
     summary["markdown_cut"] = 0.0 if md_base == 0 else 1.0 - md_variant / md_base
 
-    scored = [row for row in effect_rows if row["base"]["keyword_hit"] is not None
-              and row.get("stance") != "user_right"]
+    scored = quality_rows(effect_rows)
     base_hits = sum(bool(row["base"]["keyword_hit"]) for row in scored)
     var_hits = sum(bool(row["variant"]["keyword_hit"]) for row in scored)
     summary["quality"] = {

@@ -258,12 +258,12 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
             return row
         echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s; training-question "
              f"check on {len(check)} questions …")
-        free = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
-                            batch_size=batch_size, quality=spec.quality, base_cache=cache,
-                            base_key="search-loop-check")
+        answers = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
+                               batch_size=batch_size, quality=spec.quality, base_cache=cache,
+                               base_key="search-loop-check")
         echo(f"  point {point.strength:.4g}: training-question check {time.perf_counter() - validated:.1f} s")
-        lost, gained = fact_changes(free["prompts"])
-        free = free["summary"]
+        lost, gained = fact_changes(answers["prompts"])
+        free = answers["summary"]
         rates = {"check_loops": free["loop_rate"]["new"], "check_limit": free["hit_limit_rate"]["new"],
                  "check_empty": free["empty_rate"]["new"]}
         failed = []
@@ -290,8 +290,10 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
 
 def fact_changes(rows: list[dict]) -> tuple[int, int]:
     """Paired key-fact changes over free-form rows (``compare_answers``'s): facts the base hit and the variant
-    missed, and the reverse. Items without keywords and user-right stances are left out, as in the quality."""
-    scored = [r for r in rows if r["base"].get("keyword_hit") is not None and r.get("stance") != "user_right"]
+    missed, and the reverse, over the rows the quality check counts (``canaries.freeform.quality_rows``)."""
+    from canaries.freeform import quality_rows
+
+    scored = quality_rows(rows)
     lost = sum(bool(r["base"]["keyword_hit"]) and not r["variant"]["keyword_hit"] for r in scored)
     gained = sum(bool(r["variant"]["keyword_hit"]) and not r["base"]["keyword_hit"] for r in scored)
     return lost, gained
