@@ -7,8 +7,9 @@
   containers, numbers, strings and tensors is ignored and recomputed.
 
 Keys hash the base's identity, the suite contents and the settings (`cache_key`). The base's identity for the
-disk cache is `release_fingerprint`: SHA-256 of every weight shard and side file, itself memoised per
-(path, size, mtime) so a 19 GB base is hashed once.
+disk cache is `base_key`: `release_fingerprint` (SHA-256 of every weight shard and side file, through blaze's
+persistent hash cache, so a 19 GB base is hashed once) and the device. Format 2: answers from the decode
+that drops stopped rows (`clef_model.greedy`) and the device's default batch.
 """
 
 from __future__ import annotations
@@ -46,34 +47,26 @@ def content_hash(value: Any) -> str:
 
 def cache_key(base_identity: str, suite: dict[str, Any], settings: dict[str, Any]) -> str:
     """The key of a base's outputs: base identity + suite contents + settings."""
-    return content_hash({"base": base_identity, "suite": suite, "settings": settings, "format": 1})
+    return content_hash({"base": base_identity, "suite": suite, "settings": settings, "format": 2})
 
 
 def release_fingerprint(folder: Path) -> str:
-    """SHA-256 over every file of a release folder (name + content hash), memoised per file stat."""
-    from clef_model.checkpoint import sha256_file
+    """SHA-256 over every file of a release folder (name + content hash); each file's hash comes from blaze's
+    persistent hash cache (`clef_model.filehash`), so a 19 GB base is read once."""
+    from clef_model.filehash import file_sha256
 
     folder = Path(folder)
-    memo_path = cache_root() / "file_hashes.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        memo = {}
-    parts = []
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
-        stat = path.stat()
-        memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-        if memo_key not in memo:
-            memo[memo_key] = sha256_file(path)
-        parts.append(f"{path.name}:{memo[memo_key]}")
-    try:
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(memo))
-        tmp.replace(memo_path)
-    except OSError:
-        pass  # the memo only saves time
+    parts = [f"{path.name}:{file_sha256(path)}"
+             for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def base_key(folder: Path, device: str | Any) -> str:
+    """The disk cache's name for a base on a device: `blaze edit`'s final canary and `blaze canary` use the
+    same one, so the canary reuses the base answers the edit generated (same suite and settings)."""
+    import torch
+
+    return f"{release_fingerprint(folder)}|{torch.device(device)}"
 
 
 class BaseCache(Protocol):

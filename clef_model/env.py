@@ -9,7 +9,7 @@ else is a `BlazeError` that names the variable.
 |----------------------------|-------------------------------------------------------------------|------------------|
 | `BLAZE_QUIET`              | no progress bars                                                  | off              |
 | `BLAZE_CACHE`              | cache folder (`~` expanded): statistics, canary, hashes, logs, …  | `~/.cache/blaze` |
-| `BLAZE_FAST`               | fast CUDA-graph paths: on, off, or unset = on for CUDA only       | unset            |
+| `BLAZE_FAST`               | fast CUDA-graph paths: on, off, or unset = on for CUDA only; `0` also makes plain LMs decode through transformers' `generate` | unset            |
 | `BLAZE_FAST_HEAD`          | `vector`: the vectorised joint head (allowlisted release code)    | unset            |
 | `BLAZE_FAST_COMPILE`       | compiled SystemOne backbone (not bit-compatible)                  | off              |
 | `BLAZE_HASH_CACHE`         | the persistent SHA-256 cache                                      | on               |

@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
+from clef_model import env
 from clef_model import fast as _fast  # optional fast paths (issue 6); each hook falls back to the reference
 from clef_model.backbone import text_decoder
 from clef_model.errors import BlazeError, ReleaseError, RequestError  # RequestError: re-exported here
 from clef_model.files import JOINT_HEAD
+from clef_model.greedy import greedy_pruned, left_padded
 from clef_model.images import resolve_request_images
 from clef_model.release import Release, resolve_release
 from clef_model.trust import load_release_code
@@ -70,6 +72,19 @@ def default_device() -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA, float32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+STATISTICS_BATCH = 8  # sequences per statistics forward (a prefill: compute-bound, larger batches only pad more)
+
+
+def generation_batch_size(device: torch.device | str) -> int:
+    """Prompts per generation batch when the user gives none: 64 on the CPU, 16 on a GPU.
+
+    On the CPU a decode step reads every weight once, whatever the rows: SmolLM2-135M at 2 cores took
+    159 ms a step at 8 rows and 469 ms at 64, i.e. 20 ms against 7.3 ms per answer token (BENCHMARKS.md,
+    "Generation on the CPU"). On a GPU 16 is what the canary always used, and the edit now uses it too, so
+    the edit's final canary and `blaze canary` share the base's cached answers."""
+    return 64 if torch.device(device).type == "cpu" else 16
 
 
 _QUESTION_TYPES = ("noul", "choice", "score")
@@ -405,16 +420,15 @@ class Runtime:
         started = time.perf_counter()
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            width = max(len(encoded[i]) for i in chunk)
-            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, i in enumerate(chunk):
-                ids = encoded[i]
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, width - len(ids) :] = 1
             # [fast path, issue 6: clef_model/fast/hooks.py] static caches + CUDA-graph decode; None -> reference
             rows = _fast.greedy_rows(self, [encoded[i] for i in chunk], max_new_tokens, stops)
+            if rows is None and self.clef is None and env.fast() is not False:
+                # [issue 15] plain causal LMs: stopped answers leave the batch (clef_model/greedy.py);
+                # BLAZE_FAST=0 keeps transformers' generate, the reference it is tested against
+                rows = greedy_pruned(self.model, [encoded[i] for i in chunk], max_new_tokens, stops, pad, self.device)
             if rows is None:
+                input_ids, attention_mask = left_padded([encoded[i] for i in chunk], pad)
+                width = input_ids.shape[1]
                 output = self.model.generate(
                     input_ids=input_ids.to(self.device),
                     attention_mask=attention_mask.to(self.device),

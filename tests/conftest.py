@@ -29,6 +29,18 @@ torch.set_num_threads(int(os.environ.get("BLAZE_TEST_THREADS", "1")))
 TINY_SEED = 0
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_blaze_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Every blaze cache (embedded conversions, statistics, the base answers `blaze edit` and `blaze canary`
+    keep on disk) goes to a folder of this session: a test never reuses what another run, or the user's own
+    `blaze` runs, left behind. Costs one SmolLM2 conversion per session. BLAZE_TEST_CACHE names a folder to
+    keep between sessions instead (a local speed-up; CI never sets it)."""
+    folder = os.environ.get("BLAZE_TEST_CACHE") or str(tmp_path_factory.mktemp("blaze-cache"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLAZE_CACHE", folder)
+        yield Path(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path of a tiny random-weight Clef-Flash release (exact release layout), built once per session."""

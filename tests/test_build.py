@@ -134,6 +134,15 @@ def test_auto_strength_with_real_canaries(tiny_release, tmp_path):
     assert report["integrity"]["passed"] is True
     assert any(c["name"] == "integrity" for c in report["gate"]["checks"])
     assert verify_manifest(out) == []
+    # `blaze canary` with the same defaults (batch size, tokens, suites) reuses the base answers the edit's
+    # final canary cached on disk: the same base side, generated once
+    from variants.cli.canary import run_command
+
+    again = run_command(str(out), str(tiny_release), str(spec), (), None, None, None, "cpu", False, None, "together",
+                        True, dict(max_decision_drift=0.5, max_argmax_flips=20))
+    assert again["meta"]["base_from_cache"] is True
+    assert [p["base"] for p in again["freeform"]["prompts"]] == [p["base"] for p in report["freeform"]["prompts"]]
+    assert again["freeform"]["summary"] == report["freeform"]["summary"]
 
 
 def test_read_positions_prefers_system_prompt_contrast():

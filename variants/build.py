@@ -30,6 +30,7 @@ from clef_model.files import CANARY_JSON, CANARY_MD
 from variants.search import NoPassingPoint, Point, Row, SearchResult, format_table, search
 
 if TYPE_CHECKING:
+    from canaries.cache import BaseCache
     from canaries.gate import Thresholds
     from clef_model.runtime import Runtime
     from surgery.directions import ContrastPair
@@ -70,7 +71,7 @@ class BuildOptions:
     canary: bool = True
     export_lora: Path | None = None
     trust_release_code: bool = False
-    batch_size: int = 8
+    batch_size: int | None = None  # generation batch; None: `generation_batch_size` of the device
     cache_dir: Path | None = None
     progress: bool = True
     preserve_requests: tuple[Path, ...] = ()  # JSONL files of the user's own SystemOne requests (decision traffic)
@@ -223,11 +224,13 @@ def search_row(point: Point, report: dict) -> Row:
 
 def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSettings, thresholds: Thresholds, *,
                          solve_patch: Callable[[Point], Any], progress: bool = True,
-                         batch_size: int = 8, echo: Callable[[str], None] = lambda _m: None) -> Callable[[Point], Row]:
+                         batch_size: int = 8, echo: Callable[[str], None] = lambda _m: None,
+                         base_cache: BaseCache | None = None, base_key: str = "search-base") -> Callable[[Point], Row]:
     """A function point → row: solve, apply in memory, run the canary on the spec's validation split
     against the unedited model (whose answers are generated once and cached). Held-out items never enter.
     The loop check generates answers only (`canaries.run.run_freeform`): it reads no damage figure, so the
-    damage passes a full canary would add are not run. ``echo`` gets each point's seconds."""
+    damage passes a full canary would add are not run. ``echo`` gets each point's seconds. ``base_cache``
+    (default: in memory) with ``base_key`` naming the base keeps the base's answers, e.g. on disk across runs."""
     from canaries.cache import MemoryCache
     from canaries.handles import ModelView
     from canaries.run import freeform_suite, run_canary, run_freeform
@@ -237,7 +240,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         raise BlazeError(f"behaviour {spec.name!r} has no validation items: --strength auto needs them "
                          "(or pass --strength NUMBER)")
     prompts = freeform_suite(items, general=False)
-    cache = MemoryCache()
+    cache = base_cache if base_cache is not None else MemoryCache()
     base = ModelView(runtime, label="base")
 
     check = loop_check_items(spec)
@@ -249,7 +252,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         view = ModelView(runtime, activate=lambda: patch.applied(runtime), label=point.label())
         report = run_canary(view, base, freeform_prompts=prompts, thresholds=thresholds, quality=spec.quality,
                             max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
-                            base_cache=cache, base_key="search-base")
+                            base_cache=cache, base_key=base_key)
         row = search_row(point, report)
         setting = point.setting()
         validated = time.perf_counter()
@@ -260,7 +263,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
              f"check on {len(check)} questions …")
         answers = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
                                batch_size=batch_size, quality=spec.quality, base_cache=cache,
-                               base_key="search-loop-check")
+                               base_key=base_key)
         echo(f"  point {point.strength:.4g}: training-question check {time.perf_counter() - validated:.1f} s")
         lost, gained = fact_changes(answers["prompts"])
         free = answers["summary"]
@@ -366,7 +369,7 @@ def _folder_bytes(folder: Path) -> int:
 def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> BuildResult:
     """Run a whole ``blaze edit``; see the module docstring."""
     from clef_model.release import DEFAULT_BASE
-    from clef_model.runtime import Runtime
+    from clef_model.runtime import STATISTICS_BATCH, Runtime, generation_batch_size
     from surgery.edit import (
         SolveSettings,
         collect_statistics,
@@ -398,6 +401,12 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
     runtime = Runtime.load(opts.base or DEFAULT_BASE, revision=opts.revision, device=opts.device, dtype=dtype,
                            trust_release_code=opts.trust_release_code)
+    batch = opts.batch_size or generation_batch_size(runtime.device)
+    statistics_batch = min(STATISTICS_BATCH, batch)
+    from canaries.cache import DiskCache, base_key
+
+    # the base's answers (search passes, final canary) on disk: a rerun and `blaze canary` reuse them
+    base_answers, base_name = DiskCache(), base_key(Path(runtime.release.path), runtime.device)
     echo(f"base {runtime.release.ref} ({runtime.release.architecture}, {len(runtime.decoder_layers())} layers) "
          f"on {runtime.device}")
     keep = preserve_set(spec, runtime, own, questions=s.questions == "preserve")
@@ -422,12 +431,12 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                 cache = _cache_file(opts, runtime, spec, s, layers, kinds, preserved)
                 collected[layers, kinds, method] = collect_distill_statistics(
                     runtime, pairs, keep, layers, kinds, max_new_tokens=s.max_new_tokens, rank=s.rank,
-                    batch_size=opts.batch_size, progress=opts.progress, echo=echo,
+                    batch_size=batch, progress=opts.progress, echo=echo,
                     cache=cache.with_name(f"{cache.stem}-distill-{s.max_new_tokens}.pt"))
             return collected[layers, kinds, method]
         if (layers, kinds) not in collected:
             collected[layers, kinds] = collect_statistics(
-                runtime, pairs, keep, layers, kinds, rank=s.rank, batch_size=opts.batch_size,
+                runtime, pairs, keep, layers, kinds, rank=s.rank, batch_size=statistics_batch,
                 cache=_cache_file(opts, runtime, spec, s, layers, kinds, preserved), progress=opts.progress,
                 echo=echo,
                 positions=s.positions)
@@ -456,7 +465,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         echo(f"strength auto: adaptive search from {start.strength:g} on {len(spec.validation_items())} "
              f"validation prompts, at most {s.budget} generation passes")
         evaluate = validation_evaluator(runtime, spec, s, thresholds, solve_patch=solve_patch,
-                                        progress=opts.progress, batch_size=opts.batch_size, echo=echo)
+                                        progress=opts.progress, batch_size=batch, echo=echo,
+                                        base_cache=base_answers, base_key=base_name)
         try:
             found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
                            max_strength=STRENGTH_MAX, alternatives=alternatives(s), target_effect=s.target_effect,
@@ -486,7 +496,8 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
                             ModelView(runtime, label="base"),
                             freeform_prompts=freeform_suite(spec.heldout_items(), general=True),
                             thresholds=thresholds, quality=spec.quality,
-                            max_new_tokens=s.max_new_tokens, progress=opts.progress, batch_size=opts.batch_size,
+                            max_new_tokens=s.max_new_tokens, progress=opts.progress, batch_size=batch,
+                            base_cache=base_answers, base_key=base_name,
                             prompted_system=spec.wanted_system_prompt())  # the prompted ceiling: final canary only
         times.mark("final canary")
         def extra_files(folder: Path) -> dict[str, bytes]:

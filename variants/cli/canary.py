@@ -44,7 +44,7 @@ def _json_default(value: Any) -> Any:
 
 def run_command(variant_ref: str, against: str | None, behavior: str | None, suite: tuple[Path, ...],
                 json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
-                trust_release_code: bool, batch_size: int, mode: str, integrity: bool,
+                trust_release_code: bool, batch_size: int | None, mode: str, integrity: bool,
                 overrides: dict[str, Any], damage_tokens: int = 32, prompted: bool = True,
                 decisions_eval: Path | None = None) -> dict[str, Any]:
     """Resolve both releases, check integrity, run the canaries and write the reports; returns the report.
@@ -52,14 +52,14 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling)."""
     import torch
 
-    from canaries.cache import DiskCache, release_fingerprint
+    from canaries.cache import DiskCache, base_key
     from canaries.integrity import REPORT_MANIFEST_KEY, check_integrity, manifest_sha256
     from canaries.report import print_report, to_markdown
     from canaries.run import ModelView, freeform_suite, run_canary, run_sequential
     from canaries.suites import load_custom_suite
     from clef_model.manifest import find_manifest
     from clef_model.release import DEFAULT_BASE, resolve_release
-    from clef_model.runtime import Runtime
+    from clef_model.runtime import Runtime, generation_batch_size
 
     variant_release = resolve_release(variant_ref)
     eval_records = None
@@ -94,6 +94,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     quality = spec.quality if spec else None
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batch_size = batch_size or generation_batch_size(device)
     integrity_result = None
     if integrity:
         click.echo(f"checking integrity of {variant_release.ref} against {base_release.ref} …", err=True)
@@ -109,6 +110,9 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
         return Runtime.load(release, device=device, trust_release_code=trust_release_code)
 
     together = mode == "together" or (mode == "auto" and _fits_together(variant_release, base_release, device))
+    # the base's outputs are cached on disk in both modes: `blaze edit`'s final canary wrote them under the
+    # same key when the suite and settings are the same, and a second canary of another variant reuses them
+    common.update(base_cache=DiskCache(), base_key=base_key(Path(base_release.path), device))
     if together:
         base_rt = load(base_release, "base")
         variant_rt = load(variant_release, "variant")
@@ -116,9 +120,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     else:
         click.echo("running base and variant one after the other (base outputs cached)", err=True)
         report = run_sequential(lambda: load(variant_release, "variant"), lambda: load(base_release, "base"),
-                                base_cache=DiskCache(), base_key=f"{release_fingerprint(Path(base_release.path))}|"
-                                                                 f"{device}", base_is_clef=base_release.kind == "clef",
-                                **common)
+                                base_is_clef=base_release.kind == "clef", **common)
     if eval_records is not None:
         assert decisions_eval is not None  # eval_records come from it
         from canaries.decision_eval import run_eval
@@ -156,8 +158,10 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
               help="Tokens per free-form answer. Default: the behaviour's, else 96.")
 @click.option("--damage-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="Tokens of the base's greedy continuation of each neutral prompt scored for per-token KL.")
-@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
-              help="Prompts (or requests) per batch; fewer decode steps with larger batches.")
+@click.option("--batch-size", type=click.IntRange(1), default=None,
+              help="Prompts (or requests) per batch; fewer decode steps with larger batches. Default: 64 on the "
+                   "CPU, 16 on a GPU (as `blaze edit`, so the base's answers cached by the edit's final canary "
+                   "are reused).")
 @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
 @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
               help="Both models in memory at once, or one after the other with the base's outputs cached "
@@ -173,7 +177,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                    "models, |Δp|, flips and the noise floor, under decisions.eval.")
 @dataclass_options(Thresholds)
 def canary(variant: str, against: str | None, behavior: str | None, suite: tuple[Path, ...], json_path: Path | None,
-           markdown_path: Path | None, max_new_tokens: int | None, damage_tokens: int, batch_size: int,
+           markdown_path: Path | None, max_new_tokens: int | None, damage_tokens: int, batch_size: int | None,
            device: str | None, mode: str, no_integrity: bool, no_prompted: bool, trust_release_code: bool,
            decisions_eval: Path | None, **overrides: Any) -> None:
     """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
