@@ -82,8 +82,8 @@ def collect_statistics(
         say(dirs.format_scores(found, chosen))
         say(f"layers auto: chose {layer_ranges(chosen)}")
     the_plan = plan(runtime, chosen, kinds, rank=rank)
-    stats = collect(runtime, pairs, preserve, the_plan.targets, batch_size=batch_size, progress=progress,
-                    positions=positions)
+    stats = collect(runtime, pairs, preserve, the_plan.targets, residual_layers=chosen, batch_size=batch_size,
+                    progress=progress, positions=positions)
     stats.meta.update({
         "fingerprint": fingerprint,
         "layers": list(chosen),

@@ -245,6 +245,28 @@ def preserve_sequences(runtime: Runtime, preserve: PreserveSet, max_length: int 
     return out
 
 
+class _PassDone(Exception):
+    """Raised by the hook on the last layer the statistics read: the layers above it are not run."""
+
+
+def _stop_pass(_module: Any, _inputs: Any, _output: Any) -> None:
+    raise _PassDone
+
+
+def last_layer_read(residual_layers: Iterable[int], targets: Iterable[str]) -> int | None:
+    """The deepest layer whose output or inputs the statistics read (None: unknown, run every layer).
+
+    The layers above it cannot change anything collected, so a pass stops there: with the default band
+    0.3-0.8 that skips about a fifth of each statistics forward (and the final norm)."""
+    from surgery.targets import split_name
+
+    try:
+        deepest = [*residual_layers, *(split_name(name)[0] for name in targets)]
+    except BlazeError:   # a target that is not a per-layer matrix: keep the whole forward
+        return None
+    return max(deepest, default=None)
+
+
 class _Collector:
     """Forward hooks that turn activations into sums, with a batch's position bookkeeping."""
 
@@ -267,6 +289,10 @@ class _Collector:
             if name not in linears:
                 raise BlazeError(f"target {name} is not a linear layer of this model")
             self.handles.append(linears[name].register_forward_pre_hook(self._key_hook(name)))
+        last = last_layer_read(residual_layers, targets)
+        if last is not None and last < len(layers) - 1:
+            # registered after the layer's residual hook, so that hook has run when this one stops the pass
+            self.handles.append(layers[last].register_forward_hook(_stop_pass))
 
     def close(self) -> None:
         for handle in self.handles:
@@ -359,11 +385,15 @@ def padded_batch(batch: Sequence[_Positions], pad: int) -> tuple[torch.Tensor, t
 
 
 def forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
-    """One forward pass whose outputs the hooks read (no KV cache where the model takes the flag)."""
+    """One forward pass whose outputs the hooks read (no KV cache where the model takes the flag); it ends
+    early when the collector's hook on the last layer read stops it."""
     try:
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
-    except TypeError:
-        model(input_ids=ids, attention_mask=mask)
+        try:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        except TypeError:
+            model(input_ids=ids, attention_mask=mask)
+    except _PassDone:
+        pass
 
 
 def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, batch_size: int,

@@ -199,3 +199,26 @@ def test_statistics_above_the_cache_limit_are_not_saved(mini, tmp_path, monkeypa
     monkeypatch.delenv("BLAZE_STATS_CACHE_MAX_GB")
     collect_statistics(mini, PAIRS, {"texts": ["hello"]}, "1-2", "writers", cache=cache)
     assert cache.exists()                                   # small statistics: cached as before
+
+
+def test_a_pass_stops_after_the_last_layer_read_with_the_same_statistics(mini):
+    """Layers above the deepest target and residual layer are not run, and nothing collected changes."""
+    target = "model.layers.1.mlp.down_proj"
+    preserve = PreserveSet(texts=["keep this"])
+    ran: list[int] = []
+    handles = [layer.register_forward_hook(lambda _m, _i, _o, k=k: ran.append(k))
+               for k, layer in enumerate(mini.decoder_layers())]
+    try:
+        short = collect(mini, PAIRS, preserve, [target], residual_layers=[0, 1], batch_size=2)
+        deepest_short = max(ran)
+        ran.clear()
+        whole = collect(mini, PAIRS, preserve, [target], batch_size=2)   # every residual layer: the whole pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert deepest_short == 1 and max(ran) == len(mini.decoder_layers()) - 1
+    assert set(short.wanted_means) == {0, 1}
+    for layer in (0, 1):
+        assert torch.equal(short.wanted_means[layer], whole.wanted_means[layer])
+    for name in ("behaviour_moment", "preserve_moment", "wanted_means", "unwanted_means"):
+        assert torch.equal(getattr(short.keys[target], name), getattr(whole.keys[target], name))
