@@ -44,8 +44,8 @@ def test_requests_reach_the_preserve_set_and_images_are_counted(tiny_runtime, tm
     path = _traffic(tmp_path)
     own = load_preserve_requests([path])
     assert len(own.requests) == 3 and own.skipped == 1
-    assert own.files == [{"file": "traffic.jsonl", "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                          "requests": 3, "skipped_images": 1}]
+    assert [f.to_dict() for f in own.files] == [{"file": "traffic.jsonl", "requests": 3, "skipped_images": 1,
+                                                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}]
     assert all("labels" not in r and not r.get("images") for r in own.requests)
     spec = load_behavior("verbosity")
     default = preserve_set(spec, tiny_runtime)
@@ -114,8 +114,8 @@ def test_statistics_fingerprint_and_cache_file_change_with_the_requests(tiny_run
     opts = BuildOptions(behavior="verbosity", out=tmp_path / "o", cache_dir=tmp_path / "cache")
     s = edit_settings(spec, opts)
     files = {_cache_file(opts, tiny_runtime, spec, s),
-             _cache_file(opts, tiny_runtime, spec, s, preserved=tuple(f["sha256"] for f in first.files)),
-             _cache_file(opts, tiny_runtime, spec, s, preserved=tuple(f["sha256"] for f in second.files))}
+             _cache_file(opts, tiny_runtime, spec, s, preserved=tuple(str(f.sha256) for f in first.files)),
+             _cache_file(opts, tiny_runtime, spec, s, preserved=tuple(str(f.sha256) for f in second.files))}
     assert len(files) == 3
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_model.errors import BlazeError
 from clef_model.files import CANARY_JSON, CANARY_MD
+from clef_model.manifest import PreservedFile
 from variants.search import NoPassingPoint, Point, Row, SearchResult, format_table, search
 
 if TYPE_CHECKING:
@@ -140,12 +141,12 @@ class PreserveRequests:
     the manifest records (:class:`clef_model.manifest.PreservedFile`)."""
 
     requests: list[dict] = field(default_factory=list)
-    files: list[dict[str, Any]] = field(default_factory=list)  # file, sha256, requests, skipped_images
+    files: list[PreservedFile] = field(default_factory=list)
 
     @property
     def skipped(self) -> int:
         """Requests left out because they carry images (statistics run the text model alone)."""
-        return sum(int(f["skipped_images"]) for f in self.files)
+        return sum(f.skipped_images or 0 for f in self.files)
 
 
 def load_preserve_requests(paths: tuple[Path, ...] | list[Path]) -> PreserveRequests:
@@ -160,8 +161,8 @@ def load_preserve_requests(paths: tuple[Path, ...] | list[Path]) -> PreserveRequ
         records = load_eval_file(Path(path), labelled=False)
         kept = [r.request for r in records if not r.request.get("images")]
         out.requests.extend(kept)
-        out.files.append({"file": Path(path).name, "sha256": sha256_file(Path(path)), "requests": len(kept),
-                          "skipped_images": len(records) - len(kept)})
+        out.files.append(PreservedFile(file=Path(path).name, sha256=sha256_file(Path(path)), requests=len(kept),
+                                       skipped_images=len(records) - len(kept)))
     return out
 
 
@@ -394,7 +395,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         raise BlazeError(f"--rank {s.rank} is above the limit of {len(pairs)} set by the spec's {len(pairs)} "
                          f"contrast pairs: use --rank {len(pairs)} or lower")
     own = load_preserve_requests(opts.preserve_requests)  # before the model loads: a bad line fails fast
-    preserved = tuple(f["sha256"] for f in own.files)
+    preserved = tuple(str(f.sha256) for f in own.files)
     echo(f"behaviour {spec.name} v{spec.version}: {spec.description}")
     import torch
 
@@ -414,7 +415,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
          + (f"{len(keep.questions)} training questions (question tokens) + " if keep.questions else "")
          + f"{len(keep.requests)} typed-decision requests"
          + (f" ({len(own.requests)} from --preserve-requests "
-            f"{', '.join(str(f['file']) for f in own.files)}; {own.skipped} with images skipped: statistics run "
+            f"{', '.join(str(f.file) for f in own.files)}; {own.skipped} with images skipped: statistics run "
             "the text model only)" if own.files else ""))
     echo(f"directions read at: {s.positions}")
     times.mark("load")
@@ -518,7 +519,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         "threshold": s.threshold, "layers": stats.meta.get("layers"), "kinds": stats.meta.get("kinds"),
         "positions": s.positions, "questions": s.questions,
         "layers_spec": start.layers, "statistics": {k: v for k, v in stats.meta.items() if k != "shapes"},
-        **({"preserve_files": own.files} if own.files else {}),
+        **({"preserve_files": [f.to_dict() for f in own.files]} if own.files else {}),
         "canary_gate": None if report is None else {"passed": report["gate"]["passed"],
                                                     "failed": report["gate"]["failed"]},
     }
