@@ -37,6 +37,25 @@ def _cache_name(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _plain_layers() -> tuple[type, ...]:
+    """Cache layer types that hold only keys and values, whose rows `batch_select_indices` drops whole."""
+    try:
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:  # an older transformers: no per-layer cache classes, so no dropping
+        return ()
+    return (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def can_drop_rows(cache: Any) -> bool:
+    """Whether stopped rows can leave this cache: every layer is a plain key/value layer (a hybrid model's
+    linear-attention layers also hold conv and recurrent states that the cache's row selection leaves alone,
+    so such a cache keeps its rows)."""
+    layers = getattr(cache, "layers", None)
+    plain = _plain_layers()
+    return callable(getattr(cache, "batch_select_indices", None)) and bool(layers) and bool(plain) \
+        and all(type(layer) in plain for layer in layers)
+
+
 def _returned_cache(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
@@ -57,7 +76,7 @@ def greedy_pruned(model: Any, encoded: list[list[int]], max_new_tokens: int, sto
     rows: list[list[int]] = [[] for _ in encoded]
     active = list(range(len(encoded)))            # the original row of each row still in the batch
     stopped = [False] * len(encoded)              # for a cache that cannot drop rows: they stay, unrecorded
-    can_drop = callable(getattr(cache, "batch_select_indices", None))
+    can_drop = can_drop_rows(cache)
     stop = torch.tensor(sorted(set(stops)) or [-1], device=token.device)
     for step in range(max_new_tokens):
         for row, value in zip(active, token.tolist(), strict=True):

@@ -75,6 +75,32 @@ def test_a_cache_that_cannot_drop_rows_keeps_them_and_still_agrees(tiny_llama, m
     assert got == _reference(tiny_llama, PROMPTS, 12, stops)
 
 
+def test_a_hybrid_cache_layer_keeps_its_rows_and_still_agrees(tiny_llama, monkeypatch):
+    """Only plain key/value cache layers lose rows: any other layer type (a hybrid model's linear-attention
+    states) keeps the batch whole, and the answers are still transformers' own."""
+    import clef_model.greedy as greedy
+
+    stops = _stops_at_different_steps(tiny_llama)
+    monkeypatch.setattr(greedy, "_plain_layers", lambda: ())
+    with torch.inference_mode():
+        got = greedy_pruned(tiny_llama, PROMPTS, 12, stops, 0, "cpu")
+    assert got == _reference(tiny_llama, PROMPTS, 12, stops)
+
+
+def test_only_plain_key_value_layers_count_as_droppable():
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from clef_model.greedy import can_drop_rows
+
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicLayer()]
+    assert can_drop_rows(cache)
+    cache.layers.append(type("LinearStates", (DynamicLayer,), {})())   # a subclass with more state: not trusted
+    assert not can_drop_rows(cache)
+    assert not can_drop_rows(object())
+
+
 def test_dropping_a_row_without_its_cache_rows_would_be_caught(tiny_llama, monkeypatch):
     """The test above can fail: a cache that forgets to drop the stopped rows' keys misaligns the batch."""
     from transformers import DynamicCache
