@@ -50,7 +50,7 @@ def can_drop_rows(cache: Any) -> bool:
     """Whether stopped rows can leave this cache: every layer is a plain key/value layer (a hybrid model's
     linear-attention layers also hold conv and recurrent states that the cache's row selection leaves alone,
     so such a cache keeps its rows)."""
-    layers = getattr(cache, "layers", None)
+    layers = list(getattr(cache, "layers", None) or [])
     plain = _plain_layers()
     return callable(getattr(cache, "batch_select_indices", None)) and bool(layers) and bool(plain) \
         and all(type(layer) in plain for layer in layers)
