@@ -226,12 +226,13 @@ def search_row(point: Point, report: dict) -> Row:
 def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSettings, thresholds: Thresholds, *,
                          solve_patch: Callable[[Point], Any], progress: bool = True,
                          batch_size: int = 8, echo: Callable[[str], None] = lambda _m: None,
-                         base_cache: BaseCache | None = None, base_key: str = "search-base") -> Callable[[Point], Row]:
+                         base_cache: BaseCache | None = None, base_key: str = "search") -> Callable[[Point], Row]:
     """A function point → row: solve, apply in memory, run the canary on the spec's validation split
     against the unedited model (whose answers are generated once and cached). Held-out items never enter.
     The loop check generates answers only (`canaries.run.run_freeform`): it reads no damage figure, so the
     damage passes a full canary would add are not run. ``echo`` gets each point's seconds. ``base_cache``
-    (default: in memory) with ``base_key`` naming the base keeps the base's answers, e.g. on disk across runs."""
+    (default: in memory) with ``base_key`` naming the base keeps the base's answers, e.g. on disk across runs
+    (keys ``{base_key}-base`` for the validation canary, ``{base_key}-loop-check`` for the training questions)."""
     from canaries.cache import MemoryCache
     from canaries.handles import ModelView
     from canaries.run import freeform_suite, run_canary, run_freeform
@@ -253,7 +254,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         view = ModelView(runtime, activate=lambda: patch.applied(runtime), label=point.label())
         report = run_canary(view, base, freeform_prompts=prompts, thresholds=thresholds, quality=spec.quality,
                             max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
-                            base_cache=cache, base_key=base_key)
+                            base_cache=cache, base_key=f"{base_key}-base")
         row = search_row(point, report)
         setting = point.setting()
         validated = time.perf_counter()
@@ -264,7 +265,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
              f"check on {len(check)} questions …")
         answers = run_freeform(view, base, freeform_prompts=check, max_new_tokens=settings.max_new_tokens,
                                batch_size=batch_size, quality=spec.quality, base_cache=cache,
-                               base_key=base_key)
+                               base_key=f"{base_key}-loop-check")
         echo(f"  point {point.strength:.4g}: training-question check {time.perf_counter() - validated:.1f} s")
         lost, gained = fact_changes(answers["prompts"])
         free = answers["summary"]
