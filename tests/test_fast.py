@@ -170,6 +170,17 @@ def test_unsupported_backbone_is_refused():
         QwenEngine(llama)
 
 
+def test_a_plain_attention_model_listing_full_attention_layers_is_not_a_hybrid():
+    """Qwen2's config lists every layer as "full_attention": no DeltaNet layer, so not this fast path (it used
+    to be taken, then failed on the missing linear-attention widths with a warning on every call)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert set(qwen2.config.layer_types) == {"full_attention"}
+    assert not is_supported(qwen2)
+
+
 def test_too_long_generation_is_refused(release):
     decoder = StaticGreedyDecoder(release[2].language_model, max_len=32)
     with pytest.raises(BlazeError, match="max_len"):

@@ -40,8 +40,9 @@ def is_supported(model: torch.nn.Module) -> bool:
         text, _ = text_parts(model)
     except BlazeError:
         return False
-    types = getattr(text.config, "layer_types", None)
-    return bool(types) and set(types or ()) <= {"linear_attention", "full_attention"}
+    types = set(getattr(text.config, "layer_types", None) or ())
+    # a hybrid: plain attention models (Qwen2 also lists its layers as "full_attention") take other paths
+    return "linear_attention" in types and types <= {"linear_attention", "full_attention"}
 
 
 def fla_kernel(name: str) -> Callable | None:
