@@ -7,7 +7,7 @@ carries once the batch is large, so those rows are paid for. Here a stopped row 
 KV-cache rows with it (the cache's own ``batch_select_indices``). The arithmetic per row is the same as
 ``generate``'s greedy path: the same position ids from the attention mask, the argmax of the last logits.
 Measured: the same tokens as ``generate`` on SmolLM2, Qwen2.5-Coder and Gemma 3 (tests/test_greedy.py and
-BENCHMARKS.md "Generation on the CPU").
+BENCHMARKS.md "The README's main job, round 5").
 
 Used for plain causal LMs only. Clef's hybrid cache (Gated DeltaNet states) goes through the release's own
 ``generate`` or blaze's CUDA-graph decoder (`clef_model.fast`).

@@ -82,7 +82,7 @@ def generation_batch_size(device: torch.device | str) -> int:
 
     On the CPU a decode step reads every weight once, whatever the rows: SmolLM2-135M at 2 cores took
     159 ms a step at 8 rows and 469 ms at 64, i.e. 20 ms against 7.3 ms per answer token (BENCHMARKS.md,
-    "Generation on the CPU"). On a GPU 16 is what the canary always used, and the edit now uses it too, so
+    "The README's main job, round 5"). On a GPU 16 is what the canary always used, and the edit now uses it too, so
     the edit's final canary and `blaze canary` share the base's cached answers."""
     return 64 if torch.device(device).type == "cpu" else 16
 
