@@ -78,13 +78,15 @@ STATISTICS_BATCH = 8  # sequences per statistics forward (a prefill: compute-bou
 
 
 def generation_batch_size(device: torch.device | str) -> int:
-    """Prompts per generation batch when the user gives none: 64 on the CPU, 16 on a GPU.
+    """Prompts per generation batch when the user gives none: 128 on the CPU, 16 on a GPU.
 
     On the CPU a decode step reads every weight once, whatever the rows: SmolLM2-135M at 2 cores took
-    159 ms a step at 8 rows and 469 ms at 64, i.e. 20 ms against 7.3 ms per answer token (BENCHMARKS.md,
-    "The README's main job, round 5"). On a GPU 16 is what the canary always used, and the edit now uses it too, so
-    the edit's final canary and `blaze canary` share the base's cached answers."""
-    return 64 if torch.device(device).type == "cpu" else 16
+    159 ms a step at 8 rows and 469 ms at 64, i.e. 20 ms against 7.3 ms per answer row; 128 training
+    questions took 70.0 s at 128 rows against 102.1 s at 64 (BENCHMARKS.md, "The README's main job,
+    round 5"). With stopped answers leaving the batch (`clef_model.greedy`) a large batch wastes nothing.
+    On a GPU 16 is what the canary always used, and the edit now uses it too, so the edit's final canary
+    and `blaze canary` share the base's cached answers."""
+    return 128 if torch.device(device).type == "cpu" else 16
 
 
 _QUESTION_TYPES = ("noul", "choice", "score")

@@ -159,7 +159,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 @click.option("--damage-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="Tokens of the base's greedy continuation of each neutral prompt scored for per-token KL.")
 @click.option("--batch-size", type=click.IntRange(1), default=None,
-              help="Prompts (or requests) per batch; fewer decode steps with larger batches. Default: 64 on the "
+              help="Prompts (or requests) per batch; fewer decode steps with larger batches. Default: 128 on the "
                    "CPU, 16 on a GPU (as `blaze edit`, so the base's answers cached by the edit's final canary "
                    "are reused).")
 @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")

@@ -34,7 +34,7 @@ EDIT_SKIP = ("strength_grid",)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
               help="Compute dtype. Default: bfloat16 on CUDA, float32 on CPU.")
 @click.option("--batch-size", type=click.IntRange(1), default=None,
-              help="Prompts per generation batch (search passes, canaries). Default: 64 on the CPU (a decode "
+              help="Prompts per generation batch (search passes, canaries). Default: 128 on the CPU (a decode "
                    "step there reads every weight whatever the rows: 64 rows take about 3x the time of 8), 16 on a "
                    "GPU. Statistics run at most 8 "
                    "sequences per forward.")
