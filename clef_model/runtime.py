@@ -74,9 +74,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-STATISTICS_BATCH = 8  # sequences per statistics forward (a prefill: compute-bound, larger batches only pad more)
-
-
 def generation_batch_size(device: torch.device | str) -> int:
     """Prompts per generation batch when the user gives none: 128 on the CPU, 16 on a GPU.
 
@@ -422,14 +419,15 @@ class Runtime:
         started = time.perf_counter()
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
+            prompts_ids = [encoded[i] for i in chunk]
             # [fast path, issue 6: clef_model/fast/hooks.py] static caches + CUDA-graph decode; None -> reference
-            rows = _fast.greedy_rows(self, [encoded[i] for i in chunk], max_new_tokens, stops)
+            rows = _fast.greedy_rows(self, prompts_ids, max_new_tokens, stops)
             if rows is None and self.clef is None and env.fast() is not False:
                 # [issue 15] plain causal LMs: stopped answers leave the batch (clef_model/greedy.py);
                 # BLAZE_FAST=0 keeps transformers' generate, the reference it is tested against
-                rows = greedy_pruned(self.model, [encoded[i] for i in chunk], max_new_tokens, stops, pad, self.device)
+                rows = greedy_pruned(self.model, prompts_ids, max_new_tokens, stops, pad, self.device)
             if rows is None:
-                input_ids, attention_mask = left_padded([encoded[i] for i in chunk], pad)
+                input_ids, attention_mask = left_padded(prompts_ids, pad)
                 width = input_ids.shape[1]
                 output = self.model.generate(
                     input_ids=input_ids.to(self.device),

@@ -245,6 +245,9 @@ def preserve_sequences(runtime: Runtime, preserve: PreserveSet, max_length: int 
     return out
 
 
+STATISTICS_BATCH = 8  # sequences per statistics forward (a prefill: compute-bound, larger batches only pad more)
+
+
 class _PassDone(Exception):
     """Raised by the hook on the last layer the statistics read: the layers above it are not run."""
 
@@ -427,7 +430,7 @@ def collect(
     targets: Iterable[str],
     *,
     residual_layers: Iterable[int] | None = None,
-    batch_size: int = 8,
+    batch_size: int = STATISTICS_BATCH,
     max_length: int = 1024,
     progress: bool = True,
     positions: str = "response",

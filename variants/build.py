@@ -371,7 +371,7 @@ def _folder_bytes(folder: Path) -> int:
 def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> BuildResult:
     """Run a whole ``blaze edit``; see the module docstring."""
     from clef_model.release import DEFAULT_BASE
-    from clef_model.runtime import STATISTICS_BATCH, Runtime, generation_batch_size
+    from clef_model.runtime import Runtime, generation_batch_size
     from surgery.edit import (
         SolveSettings,
         collect_statistics,
@@ -380,6 +380,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         weights_from_runtime,
     )
     from surgery.patch import base_identity
+    from surgery.statistics import STATISTICS_BATCH
     from variants.spec import load_behavior
     from variants.timing import StageTimes
 
@@ -407,8 +408,11 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     statistics_batch = min(STATISTICS_BATCH, batch)
     from canaries.cache import DiskCache, base_key
 
-    # the base's answers (search passes, final canary) on disk: a rerun and `blaze canary` reuse them
-    base_answers, base_name = DiskCache(), base_key(Path(runtime.release.path), runtime.device)
+    # the base's answers (search passes, final canary) on disk: a rerun and `blaze canary` reuse them. The key
+    # hashes every base file, so it is made only when a search or a canary will read it
+    base_answers = DiskCache()
+    base_name = base_key(Path(runtime.release.path), runtime.device) \
+        if s.strength == "auto" or opts.canary else ""
     echo(f"base {runtime.release.ref} ({runtime.release.architecture}, {len(runtime.decoder_layers())} layers) "
          f"on {runtime.device}")
     keep = preserve_set(spec, runtime, own, questions=s.questions == "preserve")
