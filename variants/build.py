@@ -246,6 +246,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
     base = ModelView(runtime, label="base")
 
     check = loop_check_items(spec)
+    facts_checked = any(item.get("keywords") for item in check)   # the check counts key facts too
     checked: dict[tuple, float] = {}   # setting → strongest strength that passed the loop check
 
     def evaluate(point: Point) -> Row:
@@ -256,6 +257,8 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
                             max_new_tokens=settings.max_new_tokens, progress=progress, batch_size=batch_size,
                             base_cache=cache, base_key=f"{base_key}-base")
         row = search_row(point, report)
+        if facts_checked:
+            row = validation_facts_within_chance(row, report["freeform"].get("prompts", []))
         setting = point.setting()
         validated = time.perf_counter()
         if not row.passed or not check or point.strength <= checked.get(setting, -1.0):
@@ -284,13 +287,31 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         if failed:
             why = f"key facts {facts['variant_hits']} of the base's {facts['base_hits']} ({lost} lost, " \
                   f"{gained} gained)" if "check_quality" in failed else "new loops, empty or limit-length answers"
+            note = f"training-question check on {len(check)} questions failed: {why}"
             return dataclasses.replace(row, passed=False, failed=(*row.failed, *failed), values=values,
-                                       passes=2, note=f"training-question check on {len(check)} questions "
-                                                      f"failed: {why}")
+                                       passes=2, note="; ".join(filter(None, (row.note, note))))
         checked[setting] = point.strength
         return dataclasses.replace(row, values=values, passes=2)
 
     return evaluate
+
+
+def validation_facts_within_chance(row: Row, rows: list[dict]) -> Row:
+    """``row`` with its validation key-fact failure (``quality``) dropped when the net loss is within chance (the
+    sign test of :func:`significant_loss`); the training-question check, which counts the facts of about a
+    hundred questions with the same test, then judges them. Verbosity's validation split has 14-18 fact items,
+    so one missed fact is a 6-7 % fall of the bare ratio: on Gemma 3 270M every distill point failed at 13 of
+    14 (one lost, none gained), which no rule could tell from chance. Only called when the training-question
+    check counts key facts, so facts are never left unchecked."""
+    if "quality" not in row.failed:
+        return row
+    lost, gained = fact_changes(rows)
+    if significant_loss(lost, gained):
+        return row
+    failed = tuple(c for c in row.failed if c != "quality")
+    return dataclasses.replace(row, passed=not failed, failed=failed,
+                               note=f"validation key facts {lost} lost, {gained} gained: within chance, "
+                                    "left to the training-question check")
 
 
 def fact_changes(rows: list[dict]) -> tuple[int, int]:
