@@ -8,8 +8,11 @@
 
 Keys hash the base's identity, the suite contents and the settings (`cache_key`). The base's identity for the
 disk cache is `base_key`: `release_fingerprint` (SHA-256 of every weight shard and side file, through blaze's
-persistent hash cache, so a 19 GB base is hashed once) and the device. Format 2: answers from the decode
-that drops stopped rows (`clef_model.greedy`) and the device's default batch.
+persistent hash cache, so a 19 GB base is hashed once) and the device. Format 3: on the CPU, answers from the
+decode that drops stopped rows (`clef_model.greedy`); on a GPU, from transformers' `generate` (plain causal LMs)
+or the fast path (Clef); the device's default batch. A base's answers must come from the same decode as the
+variant's: in bfloat16 on an H200 the two decodes gave different tokens for 19 of 160 SmolLM2 answers and one
+loop more, with no edit (BENCHMARKS, "loop noise").
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def content_hash(value: Any) -> str:
 
 def cache_key(base_identity: str, suite: dict[str, Any], settings: dict[str, Any]) -> str:
     """The key of a base's outputs: base identity + suite contents + settings."""
-    return content_hash({"base": base_identity, "suite": suite, "settings": settings, "format": 2})
+    return content_hash({"base": base_identity, "suite": suite, "settings": settings, "format": 3})
 
 
 def release_fingerprint(folder: Path) -> str:

@@ -80,6 +80,31 @@ def test_search_respects_the_budget_and_reports_every_pass():
         table["rows"][0])
 
 
+def test_a_point_whose_check_may_not_fit_the_budget_is_not_started():
+    """A point that passes its validation pass also runs the training-question check (2 passes): with one pass
+    left the search stops instead of running past the budget (the tables once showed "13 of 12 passes")."""
+    import dataclasses
+
+    evaluate, calls = model(effect_per_unit=0.05, damage_at=100.0)     # every point passes, the effect stays short
+
+    def with_check(point: Point) -> Row:
+        row = evaluate(point)
+        return dataclasses.replace(row, passes=2) if row.passed else row
+
+    def passes_needed(point: Point) -> int:
+        return 2 if evaluate(point).passed else 1     # (a probe: the search sees only the count)
+
+    lines: list[str] = []
+    probe = len(calls)
+    result = search(with_check, START, budget=5, min_effect=0.25, max_strength=10.0, echo=lines.append,
+                    cost=passes_needed)
+    assert result.passes == 4 and len(result.rows) == 3       # 1 + 1 + 2 (0.4, 1.6 short; 6.4 passes); 10 needs 2 of 1
+    assert "would need 2 passes, 1 left in the budget: not started" in lines[-1]
+    assert len(calls) > probe
+    unbounded = search(with_check, START, budget=5, min_effect=0.25, max_strength=10.0)
+    assert unbounded.passes == 6                                         # the old behaviour: one pass over
+
+
 def test_alternatives_tried_only_when_the_default_cannot_pass():
     """Damage arrives before the effect on the spec's settings; a 10× λ moves the damage bound out."""
     evaluate, calls = model(effect_per_unit=0.3, damage_at=0.6, lam_relief=4.0)
@@ -120,7 +145,7 @@ def test_edit_without_a_passing_point_exits_1_and_writes_nothing(tiny_release, t
     from variants import build
 
     def never_passes(*_args, **_kwargs):
-        return lambda point: Row(point, False, ("effect",), {"effect": 0.0})
+        return build.Evaluator(lambda point: Row(point, False, ("effect",), {"effect": 0.0}), lambda _point: 1)
 
     monkeypatch.setattr(build, "validation_evaluator", never_passes)
     spec = tmp_path / "tiny-concise.json"

@@ -223,10 +223,22 @@ def search_row(point: Point, report: dict) -> Row:
     return Row(point=point, passed=bool(gate["passed"]), failed=tuple(gate["failed"]), values=values)
 
 
+@dataclass(frozen=True)
+class Evaluator:
+    """A point → row function for the search, with the most passes a point may take (``passes_needed``: 2 while
+    a training-question check may follow its validation pass, else 1), so the search never overruns its budget."""
+
+    evaluate: Callable[[Point], Row]
+    passes_needed: Callable[[Point], int]
+
+    def __call__(self, point: Point) -> Row:
+        return self.evaluate(point)
+
+
 def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSettings, thresholds: Thresholds, *,
                          solve_patch: Callable[[Point], Any], progress: bool = True,
                          batch_size: int = 8, echo: Callable[[str], None] = lambda _m: None,
-                         base_cache: BaseCache | None = None, base_key: str = "search") -> Callable[[Point], Row]:
+                         base_cache: BaseCache | None = None, base_key: str = "search") -> Evaluator:
     """A function point → row: solve, apply in memory, run the canary on the spec's validation split
     against the unedited model (whose answers are generated once and cached). Held-out items never enter.
     The loop check generates answers only (`canaries.run.run_freeform`): it reads no damage figure, so the
@@ -293,7 +305,10 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         checked[setting] = point.strength
         return dataclasses.replace(row, values=values, passes=2)
 
-    return evaluate
+    def passes_needed(point: Point) -> int:
+        return 2 if check and point.strength > checked.get(point.setting(), -1.0) else 1
+
+    return Evaluator(evaluate, passes_needed)
 
 
 def validation_facts_within_chance(row: Row, rows: list[dict]) -> Row:
@@ -497,7 +512,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         try:
             found = search(evaluate, start, budget=s.budget, min_effect=thresholds.min_effect,
                            max_strength=STRENGTH_MAX, alternatives=alternatives(s), target_effect=s.target_effect,
-                           echo=echo)
+                           echo=echo, cost=evaluate.passes_needed)
         except NoPassingPoint as error:   # the verdict still says what the search cost
             times.mark("search")
             echo(f"{times.summary()}; search {error.result.passes} generation passes")

@@ -152,6 +152,13 @@ class SearchResult:
 
 
 Evaluate = Callable[[Point], Row]
+Cost = Callable[[Point], int]
+"""The most generation passes evaluating a point may take (2 where a training-question check may follow)."""
+
+
+def one_pass(_point: Point) -> int:
+    """The default :data:`Cost`: every point is one generation pass."""
+    return 1
 
 
 def spent(rows: Iterable[Row]) -> int:
@@ -231,14 +238,19 @@ def next_strength(rows: list[Row], min_effect: float, max_strength: float,
 
 def search_setting(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, max_strength: float,
                    stage: str, echo: Callable[[str], None], rows: list[Row],
-                   target_effect: float = 0.0) -> list[Row]:
+                   target_effect: float = 0.0, cost: Cost = one_pass) -> list[Row]:
     """Step 1 for one setting: strength steps from ``start`` until bracketed, capped, or out of budget.
-    Appends to ``rows`` (the whole table) and returns this setting's rows."""
+    A point is started only when the passes it may take (``cost``) still fit the budget, so the budget is never
+    overrun. Appends to ``rows`` (the whole table) and returns this setting's rows."""
     mine: list[Row] = []
     strength: float | None = start.strength
     while strength is not None and spent(rows) < budget:
         point = dataclasses.replace(start, strength=float(f"{strength:.4g}"))
         if any(r.point == point for r in mine):
+            break
+        if spent(rows) + cost(point) > budget:
+            echo(f"search: {point.label()} would need {cost(point)} passes, "
+                 f"{budget - spent(rows)} left in the budget: not started")
             break
         row = dataclasses.replace(evaluate(point), stage=stage)
         rows.append(row)
@@ -250,16 +262,17 @@ def search_setting(evaluate: Evaluate, start: Point, *, budget: int, min_effect:
 
 def search(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, max_strength: float,
            alternatives: Iterable[tuple[str, dict[str, Any]]] = (), target_effect: float = 0.0,
-           echo: Callable[[str], None] = lambda _m: None) -> SearchResult:
+           echo: Callable[[str], None] = lambda _m: None, cost: Cost = one_pass) -> SearchResult:
     """The whole search (module docstring); raises :class:`NoPassingPoint` when nothing passes.
 
     Alternatives run when the spec's settings found no passing point, or (with a target) none that
-    reached ``target_effect``; an alternative's change may carry its own start ``strength``."""
+    reached ``target_effect``; an alternative's change may carry its own start ``strength``. ``cost`` says
+    how many passes a point may take; a point that may not fit the passes left is not started."""
     if budget < 1:
         raise BlazeError(f"--budget must be ≥ 1 (got {budget})")
     rows: list[Row] = []
     found = search_setting(evaluate, start, budget=budget, min_effect=min_effect, max_strength=max_strength,
-                           stage="strength", echo=echo, rows=rows, target_effect=target_effect)
+                           stage="strength", echo=echo, rows=rows, target_effect=target_effect, cost=cost)
     stopped = why_stopped(found, budget=budget, spent_passes=spent(rows), max_strength=max_strength,
                           target_effect=target_effect)
 
@@ -277,7 +290,7 @@ def search(evaluate: Evaluate, start: Point, *, budget: int, min_effect: float, 
             alt = dataclasses.replace(start, **{"strength": max(clean, default=start.strength), **change})
             echo(f"search: trying {name} ({alt.label()})")
             mine = search_setting(evaluate, alt, budget=budget, min_effect=min_effect, max_strength=max_strength,
-                                  stage=name, echo=echo, rows=rows, target_effect=target_effect)
+                                  stage=name, echo=echo, rows=rows, target_effect=target_effect, cost=cost)
             if best_row(mine, target_effect) is not None:
                 how = why_stopped(mine, budget=budget, spent_passes=spent(rows), max_strength=max_strength,
                                   target_effect=target_effect)
