@@ -153,12 +153,26 @@ def _integrity_lines(integrity: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def noise_sentence(report: dict[str, Any]) -> str | None:
+    """The free-form noise floor beside the edit's new loops (`canaries.noise`), or None when it was not run."""
+    from canaries.noise import noise_line
+
+    noise = report["freeform"].get("noise_floor")
+    if not noise:
+        return None
+    rows = report["freeform"]["prompts"]
+    return noise_line(noise, sum(bool(r["variant"]["loop"]) and not r["base"]["loop"] for r in rows))
+
+
 def print_report(report: dict[str, Any], echo: Callable[[str], Any] = click.echo) -> None:
     """Print a readable summary: figures table, example answers, prompted ceiling, decision lines, integrity, gate."""
     labels = report.get("meta", {})
     base_label, variant_label = labels.get("base_label", "base"), labels.get("variant_label", "variant")
     echo("")
     _echo_table([("figure", base_label, variant_label, "change / note")] + summary_rows(report), echo)
+    noise = noise_sentence(report)
+    if noise:
+        echo(noise)
     for warning in report.get("warnings") or []:
         echo(f"warning: {warning}")
     example = example_prompt(report)
@@ -230,6 +244,9 @@ def to_markdown(report: dict[str, Any]) -> str:
                + ("" if gate["passed"] else f" ({', '.join(gate['failed'])})"))
     out += ["", f"| figure | {base_label} (vanilla) | {variant_label} | change / note |", "|---|---|---|---|"]
     out += [f"| {' | '.join(_md_cell(c) for c in row)} |" for row in summary_rows(report)]
+    noise = noise_sentence(report)
+    if noise:
+        out += ["", _md_cell(noise)]
     if report.get("warnings"):
         out += ["", "### Warnings", ""] + [f"- {_md_cell(w)}" for w in report["warnings"]]
     example = example_prompt(report)

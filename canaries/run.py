@@ -21,6 +21,7 @@ from canaries.cache import BaseCache, cache_key
 from canaries.gate import Thresholds
 from canaries.handles import ModelView
 from canaries.integrity import check_integrity  # noqa: F401  (public API lives in this module too)
+from canaries.noise import NOISE_BATCH, collect_noise
 from canaries.report import print_report, to_markdown  # noqa: F401  (public API)
 from canaries.suites import default_decision_suite, general_prompts, request_bodies
 from canaries.suites import neutral_prompts as default_neutral_prompts
@@ -143,6 +144,15 @@ def _prompted_key(base_identity: str, suite: CanarySuite, settings: dict, system
     return cache_key(base_identity, {"prompted_system": system, "prompts": prompts}, settings)
 
 
+def _prompts(suite: CanarySuite) -> list[Any]:
+    return [item["prompt"] for item in suite["freeform"]]
+
+
+def _noise_key(base_identity: str, suite: CanarySuite, settings: dict) -> str:
+    """Cache key of the free-form noise-floor run: base, the free-form prompts and the settings."""
+    return cache_key(base_identity, {"freeform_noise": _prompts(suite), "noise_batch": NOISE_BATCH}, settings)
+
+
 def _settings(max_new_tokens: int, batch_size: int, damage_tokens: int, runtime: Any) -> dict[str, Any]:
     return {"max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size), "damage_tokens": int(damage_tokens),
             "device": str(getattr(runtime, "device", "")), "dtype": str(getattr(runtime, "dtype", ""))}
@@ -150,11 +160,12 @@ def _settings(max_new_tokens: int, batch_size: int, damage_tokens: int, runtime:
 
 def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thresholds: Any,
                  quality: str | None, integrity: dict | None, settings: dict, labels: tuple[str, str],
-                 prompted: dict | None = None) -> dict:
+                 prompted: dict | None = None, noise: dict | None = None) -> dict:
     """Assemble the report sections from both sides' outputs and run the gate.
 
     `prompted` (`collect_prompted`'s output) adds the prompted ceiling as `freeform.prompted`; without it
-    that key is None (the run was not asked for it, e.g. a point of the strength search).
+    that key is None (the run was not asked for it, e.g. a point of the strength search). `noise`
+    (`canaries.noise.collect_noise`'s output) adds `freeform.noise_floor` (else None); the gate does not read it.
     """
     freeform = freeform_mod.compare_answers(suite["freeform"], base_side["generations"], variant_side["generations"],
                                             quality)
@@ -164,6 +175,12 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
         freeform["prompted"] = prompted_mod.prompted_ceiling(freeform["prompts"], suite["freeform"],
                                                              prompted["system"], prompted["generations"],
                                                              effect).to_dict()
+    freeform["noise_floor"] = None
+    if noise is not None:
+        from canaries.noise import summarize_noise
+
+        freeform["noise_floor"] = summarize_noise(suite["freeform"], base_side["generations"], noise["generations"],
+                                                  noise["path"]).to_dict()
     report: dict[str, Any] = {
         "freeform": freeform,
         "damage": damage_mod.summarize(suite["neutral_prompts"], base_side["damage"], variant_side["damage"]),
@@ -176,7 +193,8 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
     report["gate"] = gate_mod.evaluate(report, thresholds or {})
     report["meta"] = {"settings": settings, "base_label": labels[0], "variant_label": labels[1],
                       "seconds": {"base": base_side.get("seconds"), "variant": variant_side.get("seconds"),
-                                  "prompted": None if prompted is None else prompted.get("seconds")},
+                                  "prompted": None if prompted is None else prompted.get("seconds"),
+                                  "noise_floor": None if noise is None else noise.get("seconds")},
                       "base_from_cache": bool(base_side.get("from_cache")),
                       "prompted_from_cache": None if prompted is None else bool(prompted.get("from_cache"))}
     return report
@@ -188,7 +206,7 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
                max_new_tokens: int = 96, integrity: dict | None = None, progress: bool = True,
                batch_size: int = 16, damage_tokens: int = DEFAULT_DAMAGE_TOKENS,
                base_cache: BaseCache | None = None, base_key: str | None = None,
-               prompted_system: str | None = None) -> dict[str, Any]:
+               prompted_system: str | None = None, noise_floor: bool = False) -> dict[str, Any]:
     """Run every canary and return the report: keys freeform, damage, decisions, integrity, gate (+ meta).
 
     `freeform_prompts`: `{"prompt", "keywords"?, "avoid"?, "source"?}` items (see `freeform_suite`; the effect is
@@ -200,7 +218,8 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
     reuses the base side across calls, e.g. a `MemoryCache` across the points of a strength sweep.
     `prompted_system`: also run the base under this system prompt (the spec's wanted one) on the effect items
     and report the prompted ceiling (`canaries.prompted`); None (the default, as in search points) skips that
-    run. The cache keeps it too.
+    run. The cache keeps it too. `noise_floor`: also rerun the base one prompt per batch and report what moved
+    (`canaries.noise`), cached like the base's answers.
     """
     is_clef = bool(getattr(base.runtime, "is_clef", False)) and bool(getattr(variant.runtime, "is_clef", False))
     suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, is_clef)
@@ -211,9 +230,13 @@ def run_canary(variant: ModelView, base: ModelView, *, freeform_prompts: list[di
     if prompted_system:
         prompted = _cached(base_cache, _prompted_key(identity, suite, settings, prompted_system),
                            lambda: collect_prompted(base, suite, settings, prompted_system, progress))
+    noise = None
+    if noise_floor:
+        noise = _cached(base_cache, _noise_key(identity, suite, settings),
+                        lambda: collect_noise(base, _prompts(suite), settings, progress))
     variant_side = collect_side(variant, suite, settings, reference=base_side, progress=progress)
     return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
-                        settings=settings, labels=(base.label, variant.label), prompted=prompted)
+                        settings=settings, labels=(base.label, variant.label), prompted=prompted, noise=noise)
 
 
 def run_freeform(variant: ModelView, base: ModelView, *, freeform_prompts: list[dict[str, Any]],
@@ -263,7 +286,7 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
                    integrity: dict | None = None, progress: bool = True, batch_size: int = 16,
                    damage_tokens: int = DEFAULT_DAMAGE_TOKENS, base_cache: BaseCache | None = None,
                    base_key: str | None = None, base_is_clef: bool | None = None,
-                   prompted_system: str | None = None) -> dict[str, Any]:
+                   prompted_system: str | None = None, noise_floor: bool = False) -> dict[str, Any]:
     """Like `run_canary`, for models that do not fit in memory together: base first (or from the cache), freed,
     then the variant. `load_*` return Runtimes; the base is only loaded on a cache miss (of its side or, with
     `prompted_system`, of its prompted run; then `base_is_clef` may be None); on a hit `base_is_clef` must say
@@ -277,6 +300,7 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
     settings: dict[str, Any] | None = None
     base_side = None
     prompted = None
+    noise = None
     cache, key = (base_cache, base_key) if base_cache is not None and base_key is not None else (None, None)
     if cache is not None and key is not None and base_is_clef is not None:
         suite = _suite(freeform_prompts, decision_requests, neutral_prompts, neutral_texts, base_is_clef)
@@ -286,7 +310,10 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
         if prompted_system:
             cached = cache.get(_prompted_key(key, suite, settings, prompted_system))
             prompted = dict(cached, from_cache=True) if cached is not None else None
-    if base_side is None or (prompted_system and prompted is None):
+        if noise_floor:
+            cached = cache.get(_noise_key(key, suite, settings))
+            noise = dict(cached, from_cache=True) if cached is not None else None
+    if base_side is None or (prompted_system and prompted is None) or (noise_floor and noise is None):
         runtime = load_base()
         view = ModelView(runtime, label="base")
         if base_side is None:
@@ -301,6 +328,10 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
             prompted = collect_prompted(view, suite, settings, prompted_system, progress=progress)
             if cache is not None and key is not None:
                 cache.put(_prompted_key(key, suite, settings, prompted_system), prompted)
+        if noise_floor and noise is None:
+            noise = collect_noise(view, _prompts(suite), settings, progress=progress)
+            if cache is not None and key is not None:
+                cache.put(_noise_key(key, suite, settings), noise)
         del runtime, view
         gc.collect()
         if torch.cuda.is_available():
@@ -312,4 +343,4 @@ def run_sequential(load_variant: Callable[[], Any], load_base: Callable[[], Any]
     variant_side = collect_side(ModelView(variant_runtime, label="variant"), suite, settings, reference=base_side,
                                 progress=progress)
     return build_report(suite, base_side, variant_side, thresholds=thresholds, quality=quality, integrity=integrity,
-                        settings=settings, labels=("base", "variant"), prompted=prompted)
+                        settings=settings, labels=("base", "variant"), prompted=prompted, noise=noise)

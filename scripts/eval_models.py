@@ -65,6 +65,7 @@ class EvalRow:
     first_token_kl: float | None = None
     new_loops: float | None = None
     new_empty: float | None = None
+    noise_floor: dict[str, Any] | None = None   # `freeform.noise_floor` of a `--noise-floor` canary
     gate_passed: bool | None = None
     gate_failed: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +102,7 @@ def read_report(row: EvalRow, report: dict[str, Any]) -> None:
     row.first_token_kl = damage["first_token_kl"]["mean"]
     row.new_loops = free["loop_rate"]["new"]
     row.new_empty = free["empty_rate"]["new"]
+    row.noise_floor = report["freeform"].get("noise_floor")
     row.gate_passed = report["gate"]["passed"]
     row.gate_failed = list(report["gate"]["failed"])
     ceiling = report["freeform"].get("prompted")
@@ -132,12 +134,12 @@ def read_manifest(row: EvalRow, folder: Path) -> None:
 
 
 def evaluate(model: str, behavior: str, out: Path, device: str | None, extra: list[str],
-             separate_canary: bool = True) -> EvalRow:
+             separate_canary: bool = True, canary_extra: tuple[str, ...] = ()) -> EvalRow:
     """Edit, then canary on the held-out split; never raises for a failed gate or a refused edit.
 
     `separate_canary=False` reads the report the edit's own final canary stored in the variant (the same
     held-out prompts plus the general suite, with the prompted ceiling) instead of running `blaze canary`
-    again: half the generation on a slow CPU.
+    again: half the generation on a slow CPU. `canary_extra`: more `blaze canary` arguments (e.g. --noise-floor).
     """
     folder = out / f"{model}-{behavior}"
     common = ["--device", device] if device else []
@@ -156,7 +158,8 @@ def evaluate(model: str, behavior: str, out: Path, device: str | None, extra: li
         return row
     report_path = out / f"{model}-{behavior}.canary.json"
     code, seconds = _blaze(["canary", str(folder), "--against", model, "--behavior", behavior, "--json",
-                            str(report_path), "--markdown", str(out / f"{model}-{behavior}.canary.md"), *common],
+                            str(report_path), "--markdown", str(out / f"{model}-{behavior}.canary.md"), *common,
+                            *canary_extra],
                            out / f"{model}-{behavior}.canary.log")
     row.canary_exit, row.canary_seconds = code, round(seconds, 1)
     if report_path.is_file():
@@ -263,9 +266,17 @@ def to_markdown(rows: list[EvalRow]) -> str:
             f"| {row.model} | {row.behavior} | {'yes' if row.written else 'no (exit ' + str(row.edit_exit) + ')'} | "
             f"{_side(row, row.base) if row.written else '—'} | {_side(row, row.variant) if row.written else '—'} | "
             f"{_side(row, row.prompted)} | {cut} | {_num(row.quality_ratio, 2)} | {_num(row.first_token_kl, 4)} | "
-            f"{_num(row.new_loops, 3)} / {_num(row.new_empty, 3)} | {settings} | {_num(row.passes)} | "
+            f"{_num(row.new_loops, 3)} / {_num(row.new_empty, 3)}{_noise(row.noise_floor)} | {settings} | {_num(row.passes)} | "
             f"{_num(row.edit_seconds, 0)} + {_num(row.canary_seconds, 0)} | {verdict} |")
     return "\n".join(lines)
+
+
+def _noise(noise: dict[str, Any] | None) -> str:
+    """The base's own movement (`--noise-floor`) after the new-loop figures, or nothing."""
+    if not noise:
+        return ""
+    return (f" (base alone: {noise['loops_new']} loops new / {noise['loops_gone']} gone, "
+            f"{noise['answers_differ']} of {noise['items']} answers differ)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,14 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--edit-arg", action="append", default=[], help="extra argument for blaze edit (repeat)")
     parser.add_argument("--reuse-edit-canary", action="store_true",
                         help="read the edit's own held-out canary report instead of running blaze canary again")
+    parser.add_argument("--noise-floor", action="store_true",
+                        help="run blaze canary with --noise-floor: the base's own answers again, one prompt per "
+                             "batch, beside the edit's new loops (not with --reuse-edit-canary)")
     args = parser.parse_args(argv)
+    if args.noise_floor and args.reuse_edit_canary:
+        parser.error("--noise-floor needs the separate blaze canary run (drop --reuse-edit-canary)")
     args.out.mkdir(parents=True, exist_ok=True)
     rows, crashed = [], False
     for model in args.models.split(","):
         for behavior in args.behaviors.split(","):
             print(f"== {model} × {behavior}", flush=True)
             row = evaluate(model, behavior, args.out, args.device, args.edit_arg,
-                           separate_canary=not args.reuse_edit_canary)
+                           separate_canary=not args.reuse_edit_canary,
+                           canary_extra=("--noise-floor",) if args.noise_floor else ())
             crashed |= row.edit_exit == 3 or row.canary_exit == 3
             rows.append(row)
             print(to_markdown([row]).splitlines()[-1], flush=True)

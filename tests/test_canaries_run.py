@@ -164,6 +164,18 @@ def test_cli_passes_writes_json_and_markdown(tiny_release, cli_variant, small_su
     markdown = (tmp_path / "r.md").read_text()
     assert "**Prompt:** What is the speed of light?" in markdown and "picks" in markdown
     assert "gate: PASSED" in result.output
+    assert report["freeform"]["noise_floor"] is None and "Noise floor" not in result.output
+
+
+def test_cli_noise_floor_reports_the_base_rerun(tiny_release, cli_variant, small_suite_files, tmp_path):
+    chat, _requests = small_suite_files
+    result = invoke(cli_variant, "--against", tiny_release, "--suite", chat, "--max-new-tokens", 6, "--device", "cpu",
+                    "--damage-tokens", 4, "--json", tmp_path / "r.json", "--max-first-token-kl", 10,
+                    "--max-mean-token-kl", 10, "--max-decision-drift", 1, "--max-argmax-flips", 100, "--noise-floor")
+    assert result.exit_code == 0, result.output
+    noise = json.loads((tmp_path / "r.json").read_text())["freeform"]["noise_floor"]
+    assert noise["items"] == 3 and noise["answers_differ"] == 0           # float32 on the CPU: unbatched, same tokens
+    assert "Noise floor (the base, one prompt per batch against batches of 128)" in result.output
 
 
 def test_cli_bad_input_exits_2(tiny_release, cli_variant, tmp_path):

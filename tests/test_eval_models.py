@@ -56,6 +56,11 @@ def test_verbosity_bar_and_table_verdict_column():
     assert em.to_markdown([row]).splitlines()[-1].endswith("| met |")
     row.new_loops = 1 / 63
     assert "new loops" in em.to_markdown([row]).splitlines()[-1]
+    assert "base alone" not in em.to_markdown([row])
+    row.noise_floor = {"loops_new": 1, "loops_gone": 0, "answers_differ": 19, "items": 63}
+    line = em.to_markdown([row]).splitlines()[-1]
+    assert "(base alone: 1 loops new / 0 gone, 19 of 63 answers differ)" in line and "missed" in line
+    row.noise_floor = None
     # a ceiling below 67 % lowers the needed cut to 60 % of it
     row.new_loops, row.length_cut, row.prompted_cut = 0.0, 0.35, 0.5
     assert em.verbosity_bars(row) == []

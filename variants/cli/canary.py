@@ -46,10 +46,11 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                 json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
                 trust_release_code: bool, batch_size: int | None, mode: str, integrity: bool,
                 overrides: dict[str, Any], damage_tokens: int = 32, prompted: bool = True,
-                decisions_eval: Path | None = None) -> dict[str, Any]:
+                decisions_eval: Path | None = None, noise_floor: bool = False) -> dict[str, Any]:
     """Resolve both releases, check integrity, run the canaries and write the reports; returns the report.
 
-    `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling)."""
+    `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling).
+    `noise_floor`: also rerun the base's free-form answers one prompt per batch (`canaries.noise`)."""
     import torch
 
     from canaries.cache import DiskCache, base_key
@@ -103,7 +104,8 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     common: dict[str, Any] = dict(freeform_prompts=freeform, decision_requests=decision_requests, thresholds=thresholds,
                   quality=quality, max_new_tokens=max_new_tokens, integrity=integrity_result, progress=True,
                   batch_size=batch_size, damage_tokens=damage_tokens,
-                  prompted_system=spec.wanted_system_prompt() if spec and prompted else None)
+                  prompted_system=spec.wanted_system_prompt() if spec and prompted else None,
+                  noise_floor=noise_floor)
 
     def load(release: Release, label: str) -> Runtime:
         click.echo(f"loading {label} {release.ref} on {device} …", err=True)
@@ -169,6 +171,10 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 @click.option("--no-integrity", is_flag=True, help="Skip the integrity check (e.g. a variant that is not a folder).")
 @click.option("--no-prompted", is_flag=True,
               help="Skip the prompted ceiling (the base asked with the behaviour's wanted system prompt).")
+@click.option("--noise-floor", is_flag=True,
+              help="Also rerun the base's free-form answers one prompt per batch and report what moved with no "
+                   "edit at all (answers, loops, limit runs, key-fact hits) beside the edit's new loops. In "
+                   "bfloat16 a single new loop can be numerics alone. Costs one unbatched pass of the base.")
 @click.option("--trust-release-code", is_flag=True,
               help="Run release code whose SHA-256 is not on blaze's allowlist.")
 @click.option("--decisions-eval", "decisions_eval", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -178,8 +184,8 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 @dataclass_options(Thresholds)
 def canary(variant: str, against: str | None, behavior: str | None, suite: tuple[Path, ...], json_path: Path | None,
            markdown_path: Path | None, max_new_tokens: int | None, damage_tokens: int, batch_size: int | None,
-           device: str | None, mode: str, no_integrity: bool, no_prompted: bool, trust_release_code: bool,
-           decisions_eval: Path | None, **overrides: Any) -> None:
+           device: str | None, mode: str, no_integrity: bool, no_prompted: bool, noise_floor: bool,
+           trust_release_code: bool, decisions_eval: Path | None, **overrides: Any) -> None:
     """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
 
     \b
@@ -189,5 +195,6 @@ def canary(variant: str, against: str | None, behavior: str | None, suite: tuple
     """
     report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
                          trust_release_code, batch_size, mode, not no_integrity, overrides,
-                         damage_tokens=damage_tokens, prompted=not no_prompted, decisions_eval=decisions_eval)
+                         damage_tokens=damage_tokens, prompted=not no_prompted, decisions_eval=decisions_eval,
+                         noise_floor=noise_floor)
     sys.exit(0 if report["gate"]["passed"] else 1)
