@@ -26,6 +26,7 @@ neither).
 
     .venv/bin/python scripts/bench_apply.py --work /tmp/blaze-bench --rounds 2 --cleanup
     .venv/bin/python scripts/bench_apply.py --work /tmp/blaze-bench --num-layers 4 --layers 1-3   # smoke
+    .venv/bin/python scripts/bench_apply.py --work /tmp/b27 --preset 27b --num-layers 8 --layers 2-6 --rounds 1
 """
 
 from __future__ import annotations
@@ -186,12 +187,12 @@ def run_apply(patch: Path, base: Path, out: Path, cache_dir: Path) -> tuple[floa
     return result["seconds"], result["cpu_seconds"], result["maxrss_kib"] * 1024
 
 
-def build_base(folder: Path, num_layers: int | None) -> None:
+def build_base(folder: Path, num_layers: int | None, preset: str = "9b") -> None:
     """Build the fixture in a child process (it needs torch; this process stays small)."""
     code = ("import sys; from pathlib import Path; from clef_model.fixtures import build_fixture; "
-            "build_fixture(Path(sys.argv[1]), '9b', num_layers=None if sys.argv[2] == '-' else int(sys.argv[2]), "
-            "seed=0, force=True, progress=True)")
-    subprocess.run([sys.executable, "-c", code, str(folder), "-" if num_layers is None else str(num_layers)],
+            "build_fixture(Path(sys.argv[1]), sys.argv[3], num_layers=None if sys.argv[2] == '-' else "
+            "int(sys.argv[2]), seed=0, force=True, progress=True)")
+    subprocess.run([sys.executable, "-c", code, str(folder), "-" if num_layers is None else str(num_layers), preset],
                    env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
 
 
@@ -221,7 +222,10 @@ def main() -> None:
     parser.add_argument("--cache", default="cold,warm",
                         help="Comma list of page-cache states before each timed operation: cold, warm.")
     parser.add_argument("--cleanup", action="store_true", help="Delete the base fixture at the end.")
-    parser.add_argument("--num-layers", type=int, default=None, help="Smoke runs only: keep the first N layers.")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="Keep the first N layers (smoke runs; or a 27B-shaped base that fits the disk twice).")
+    parser.add_argument("--preset", default="9b", choices=["9b", "27b"],
+                        help="Fixture shapes: 9b (Clef-Flash) or 27b (Clef: hidden 5120, MLP 17408, vocab 248,320).")
     parser.add_argument("--layers", default="8-24", help="Edited layers, FIRST-LAST (default 8-24).")
     args = parser.parse_args()
     layouts = [x.strip() for x in args.layout.split(",") if x.strip()]
@@ -232,11 +236,11 @@ def main() -> None:
     os.environ["BLAZE_HASH_CACHE"] = "0"  # this process: never touch the user's hash cache (children get their own)
     work = args.work.absolute()
     work.mkdir(parents=True, exist_ok=True)
-    folder = work / "base-9b"
+    folder = work / f"base-{args.preset}"
     started = time.perf_counter()
     if not (folder / INDEX_FILE).is_file():
         shutil.rmtree(work / "hub", ignore_errors=True)
-        build_base(folder, args.num_layers)
+        build_base(folder, args.num_layers, args.preset)
     build_seconds = time.perf_counter() - started
     started = time.perf_counter()
     snapshot = make_hub_layout(folder, work / "hub")
