@@ -93,8 +93,10 @@ def _note(effect: CeilingEffect) -> str:
     if effect.fraction is not None:
         return (f"{effect.name}: prompting reaches {shown}; the edit carries "
                 f"{effect.fraction * 100:.0f} % of it.")
+    where = (f"against the behaviour; the noise margin is {margin}" if effect.prompted < 0
+             else f"within the noise margin of {margin}")
     return (f"{effect.name}: the base does not do this behaviour even when asked (prompted effect {shown}, "
-            f"within the noise margin of {margin}); no fraction of the ceiling is given.")
+            f"{where}); no fraction of the ceiling is given.")
 
 
 def prompted_ceiling(rows: list[dict[str, Any]], items: list[dict[str, Any]], system: str,

@@ -60,7 +60,10 @@ def test_a_base_that_cannot_do_the_behaviour_when_asked_is_said_so():
     length = effect(result, "length_cut")
     assert not length.reachable and length.fraction is None
     assert "does not do this behaviour even when asked" in result.notes[0]
+    assert "within the noise margin of 10 %" in result.notes[0]
     assert not effect(result, "markdown_cut").reachable                            # 0 items < 3-item margin
+    _, longer = ceiling([gen("a b c d e f g h i j k l m n o p q r s t u v w x y z", 40)] * 4)   # asked: longer
+    assert "against the behaviour; the noise margin is 10 %" in longer.notes[0]
 
 
 def test_count_margin_is_three_items():
