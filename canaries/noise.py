@@ -13,7 +13,6 @@ It costs one more pass of the base over the free-form prompts, unbatched, so it 
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,19 +41,6 @@ class FreeformNoise:
 def noise_path(batch_size: int) -> str:
     """The second numeric path, in words."""
     return f"one prompt per batch against batches of {batch_size}"
-
-
-def collect_noise(view: Any, prompts: list[Any], settings: dict[str, Any], progress: bool = True) -> dict[str, Any]:
-    """The base's greedy answers to ``prompts`` again, one prompt per batch, inside ``view.activate()``."""
-    from canaries.freeform import generation_dict
-    from canaries.run import _progress
-
-    started = time.perf_counter()
-    with view.activate(), _progress(1, progress, f"canary {view.label} noise floor") as bar:
-        generations = view.runtime.generate(prompts, max_new_tokens=settings["max_new_tokens"], batch_size=NOISE_BATCH)
-        bar.update()
-    return {"path": noise_path(int(settings["batch_size"])),
-            "generations": [generation_dict(g) for g in generations], "seconds": time.perf_counter() - started}
 
 
 def summarize_noise(items: list[dict[str, Any]], reference: list[Any], again: list[Any], path: str) -> FreeformNoise:

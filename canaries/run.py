@@ -21,7 +21,7 @@ from canaries.cache import BaseCache, cache_key
 from canaries.gate import Thresholds
 from canaries.handles import ModelView
 from canaries.integrity import check_integrity  # noqa: F401  (public API lives in this module too)
-from canaries.noise import NOISE_BATCH, collect_noise
+from canaries.noise import NOISE_BATCH, noise_path
 from canaries.report import print_report, to_markdown  # noqa: F401  (public API)
 from canaries.suites import default_decision_suite, general_prompts, request_bodies
 from canaries.suites import neutral_prompts as default_neutral_prompts
@@ -138,6 +138,17 @@ def collect_prompted(view: ModelView, suite: CanarySuite, settings: dict[str, An
             "seconds": time.perf_counter() - started}
 
 
+def collect_noise(view: ModelView, prompts: list[Any], settings: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """The base's greedy answers to ``prompts`` again, one prompt per batch (`canaries.noise`), inside
+    ``view.activate()``."""
+    started = time.perf_counter()
+    with view.activate(), _progress(1, progress, f"canary {view.label} noise floor") as bar:
+        generations = view.runtime.generate(prompts, max_new_tokens=settings["max_new_tokens"], batch_size=NOISE_BATCH)
+        bar.update()
+    return {"path": noise_path(int(settings["batch_size"])),
+            "generations": [freeform_mod.generation_dict(g) for g in generations], "seconds": time.perf_counter() - started}
+
+
 def _prompted_key(base_identity: str, suite: CanarySuite, settings: dict, system: str) -> str:
     """Cache key of the prompted run: base, the effect items' prompts, the system prompt and the settings."""
     prompts = [suite["freeform"][i]["prompt"] for i in freeform_mod.effect_indices(suite["freeform"])]
@@ -165,7 +176,7 @@ def build_report(suite: CanarySuite, base_side: dict, variant_side: dict, *, thr
 
     `prompted` (`collect_prompted`'s output) adds the prompted ceiling as `freeform.prompted`; without it
     that key is None (the run was not asked for it, e.g. a point of the strength search). `noise`
-    (`canaries.noise.collect_noise`'s output) adds `freeform.noise_floor` (else None); the gate does not read it.
+    (`collect_noise`'s output) adds `freeform.noise_floor` (else None); the gate does not read it.
     """
     freeform = freeform_mod.compare_answers(suite["freeform"], base_side["generations"], variant_side["generations"],
                                             quality)
