@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,10 @@ def main() -> None:
         if first is None:
             first = [(a.token_ids, looped) for a, looped in zip(answers, loops, strict=True)]
         else:
-            summary = RunSummary(**{**asdict(summary),
-                                    "differ": sum(a.token_ids != ids for a, (ids, _) in zip(answers, first, strict=True)),
-                                    "loops_new": sum(now and not then for now, (_, then) in zip(loops, first, strict=True)),
-                                    "loops_gone": sum(then and not now for now, (_, then) in zip(loops, first, strict=True))})
+            pairs = list(zip(answers, loops, first, strict=True))
+            summary = replace(summary, differ=sum(a.token_ids != ids for a, _, (ids, _) in pairs),
+                              loops_new=sum(now and not then for _, now, (_, then) in pairs),
+                              loops_gone=sum(then and not now for _, now, (_, then) in pairs))
         summaries.append(summary)
         print(json.dumps(asdict(summary)), flush=True)
     os.environ.pop("BLAZE_FAST", None)

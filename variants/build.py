@@ -261,6 +261,11 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
     facts_checked = any(item.get("keywords") for item in check)   # the check counts key facts too
     checked: dict[tuple, float] = {}   # setting → strongest strength that passed the loop check
 
+    def passes_needed(point: Point) -> int:
+        """2 when a passing validation pass at ``point`` is followed by the training-question check (no stronger
+        point of its setting passed the check yet), else 1: the one place that rule lives."""
+        return 2 if check and point.strength > checked.get(point.setting(), -1.0) else 1
+
     def evaluate(point: Point) -> Row:
         started = time.perf_counter()
         patch = solve_patch(point)
@@ -273,7 +278,7 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
             row = validation_facts_within_chance(row, report["freeform"].get("prompts", []))
         setting = point.setting()
         validated = time.perf_counter()
-        if not row.passed or not check or point.strength <= checked.get(setting, -1.0):
+        if not row.passed or passes_needed(point) == 1:
             echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s")
             return row
         echo(f"  point {point.strength:.4g}: validation pass {validated - started:.1f} s; training-question "
@@ -304,9 +309,6 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
                                        passes=2, note="; ".join(filter(None, (row.note, note))))
         checked[setting] = point.strength
         return dataclasses.replace(row, values=values, passes=2)
-
-    def passes_needed(point: Point) -> int:
-        return 2 if check and point.strength > checked.get(point.setting(), -1.0) else 1
 
     return Evaluator(evaluate, passes_needed)
 
