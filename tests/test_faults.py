@@ -69,10 +69,14 @@ def _clean(result, allowed=(0, 2)) -> None:
 # -- killed runs -------------------------------------------------------------------------------------------
 _SLOW_WRITER = """
 import sys, time
+from pathlib import Path
 import surgery.write as write
+from clef_model.checkpoint import INDEX_NAME
 copy = write.copy_file
 def slow_copy(src, dst):  # side files are copied after every shard: this stretches the end of the write
     time.sleep(0.4)
+    if (Path(dst).parent / INDEX_NAME).is_file():  # "shards written": hold until the test's signal arrives
+        time.sleep(120)
     copy(src, dst)
 write.copy_file = slow_copy
 from variants.cli import main
