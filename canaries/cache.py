@@ -64,12 +64,13 @@ def release_fingerprint(folder: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def base_key(folder: Path, device: str | Any) -> str:
-    """The disk cache's name for a base on a device: `blaze edit`'s final canary and `blaze canary` use the
-    same one, so the canary reuses the base answers the edit generated (same suite and settings)."""
+def base_key(folder: Path, device: str | Any, dtype: Any) -> str:
+    """The disk cache's name for a base on a device in a compute dtype: `blaze edit`'s final canary and `blaze
+    canary` use the same one, so the canary reuses the base answers the edit generated (same suite and settings).
+    The dtype is part of it: bfloat16 and float32 answers of one base differ (BENCHMARKS, "loop noise")."""
     import torch
 
-    return f"{release_fingerprint(folder)}|{torch.device(device)}"
+    return f"{release_fingerprint(folder)}|{torch.device(device)}|{str(dtype).removeprefix('torch.')}"
 
 
 class BaseCache(Protocol):

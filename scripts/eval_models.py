@@ -134,15 +134,16 @@ def read_manifest(row: EvalRow, folder: Path) -> None:
 
 
 def evaluate(model: str, behavior: str, out: Path, device: str | None, extra: list[str],
-             separate_canary: bool = True, canary_extra: tuple[str, ...] = ()) -> EvalRow:
+             separate_canary: bool = True, canary_extra: tuple[str, ...] = (), dtype: str | None = None) -> EvalRow:
     """Edit, then canary on the held-out split; never raises for a failed gate or a refused edit.
 
     `separate_canary=False` reads the report the edit's own final canary stored in the variant (the same
     held-out prompts plus the general suite, with the prompted ceiling) instead of running `blaze canary`
     again: half the generation on a slow CPU. `canary_extra`: more `blaze canary` arguments (e.g. --noise-floor).
+    `dtype`: the compute dtype of the edit and the canary (default: blaze's, bfloat16 on CUDA).
     """
     folder = out / f"{model}-{behavior}"
-    common = ["--device", device] if device else []
+    common = (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])
     code, seconds = _blaze(["edit", "--base", model, "--behavior", behavior, "--strength", "auto", "--out",
                             str(folder), "--force", *common, *extra], out / f"{model}-{behavior}.edit.log")
     log = (out / f"{model}-{behavior}.edit.log").read_text(errors="replace")
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--behaviors", default="verbosity,sycophancy")
     parser.add_argument("--out", required=True, type=Path, help="folder for variants, logs, reports and the table")
     parser.add_argument("--device", default=None, help="cpu, cuda, … (default: blaze's)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="compute dtype of the edit and the canary (default: blaze's: bfloat16 on CUDA)")
     parser.add_argument("--edit-arg", action="append", default=[], help="extra argument for blaze edit (repeat)")
     parser.add_argument("--reuse-edit-canary", action="store_true",
                         help="read the edit's own held-out canary report instead of running blaze canary again")
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {model} × {behavior}", flush=True)
             row = evaluate(model, behavior, args.out, args.device, args.edit_arg,
                            separate_canary=not args.reuse_edit_canary,
-                           canary_extra=("--noise-floor",) if args.noise_floor else ())
+                           canary_extra=("--noise-floor",) if args.noise_floor else (), dtype=args.dtype)
             crashed |= row.edit_exit == 3 or row.canary_exit == 3
             rows.append(row)
             print(to_markdown([row]).splitlines()[-1], flush=True)

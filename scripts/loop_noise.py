@@ -40,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="smollm2", help="an embedded alias or a release folder")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="compute dtype (default: blaze's: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--batches", default="16,1,7", help="comma-separated batch sizes; the first is the reference")
     parser.add_argument("--reference-path", action="store_true",
                         help="also run transformers' generate (BLAZE_FAST=0) at the first batch size")
@@ -62,7 +64,9 @@ def main() -> None:
             prompts.append(item["prompt"])
     if args.prompts:
         prompts = prompts[: args.prompts]
-    runtime = Runtime.load(args.base, device=args.device)
+    import torch
+
+    runtime = Runtime.load(args.base, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     print(f"# {args.base} on {runtime.device} in {runtime.dtype}: {len(prompts)} questions (verbosity training + "
           f"validation, no held-out item), ≤ {args.max_new_tokens} tokens")
 

@@ -189,6 +189,18 @@ def test_cache_key_and_disk_cache_roundtrip(tmp_path):
     assert cache.get(key)["value"] == math.pi
 
 
+def test_base_key_separates_compute_dtypes(tmp_path):
+    """bfloat16 and float32 answers of one base differ, so a float32 canary must not reuse bfloat16 answers."""
+    import torch
+
+    from canaries.cache import base_key
+
+    (tmp_path / "config.json").write_text("{}")
+    bf16, fp32 = (base_key(tmp_path, "cpu", dtype) for dtype in (torch.bfloat16, torch.float32))
+    assert bf16 != fp32 and bf16.endswith("|cpu|bfloat16") and fp32.endswith("|cpu|float32")
+    assert base_key(tmp_path, "cpu", torch.float32) == fp32
+
+
 def test_gate_markdown_cut_effect():
     report = _synthetic_report()
     report["freeform"]["summary"]["markdown_cut"] = 0.5

@@ -449,7 +449,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     # the base's answers (search passes, final canary) on disk: a rerun and `blaze canary` reuse them. The key
     # hashes every base file, so it is made only when a search or a canary will read it
     base_answers = DiskCache()
-    base_name = base_key(Path(runtime.release.path), runtime.device) \
+    base_name = base_key(Path(runtime.release.path), runtime.device, runtime.dtype) \
         if s.strength == "auto" or opts.canary else ""
     echo(f"base {runtime.release.ref} ({runtime.release.architecture}, {len(runtime.decoder_layers())} layers) "
          f"on {runtime.device}")

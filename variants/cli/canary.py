@@ -46,11 +46,13 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                 json_path: Path | None, markdown_path: Path | None, max_new_tokens: int | None, device: str | None,
                 trust_release_code: bool, batch_size: int | None, mode: str, integrity: bool,
                 overrides: dict[str, Any], damage_tokens: int = 32, prompted: bool = True,
-                decisions_eval: Path | None = None, noise_floor: bool = False) -> dict[str, Any]:
+                decisions_eval: Path | None = None, noise_floor: bool = False,
+                dtype_name: str | None = None) -> dict[str, Any]:
     """Resolve both releases, check integrity, run the canaries and write the reports; returns the report.
 
     `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling).
-    `noise_floor`: also rerun the base's free-form answers one prompt per batch (`canaries.noise`)."""
+    `noise_floor`: also rerun the base's free-form answers one prompt per batch (`canaries.noise`).
+    `dtype_name`: the compute dtype of both models (default: bfloat16 on CUDA, float32 on CPU)."""
     import torch
 
     from canaries.cache import DiskCache, base_key
@@ -60,7 +62,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
     from canaries.suites import load_custom_suite
     from clef_model.manifest import find_manifest
     from clef_model.release import DEFAULT_BASE, resolve_release
-    from clef_model.runtime import Runtime, generation_batch_size
+    from clef_model.runtime import Runtime, default_dtype, generation_batch_size
 
     variant_release = resolve_release(variant_ref)
     eval_records = None
@@ -96,6 +98,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     batch_size = batch_size or generation_batch_size(device)
+    dtype = getattr(torch, dtype_name) if dtype_name else default_dtype(torch.device(device))
     integrity_result = None
     if integrity:
         click.echo(f"checking integrity of {variant_release.ref} against {base_release.ref} …", err=True)
@@ -108,13 +111,13 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                   noise_floor=noise_floor)
 
     def load(release: Release, label: str) -> Runtime:
-        click.echo(f"loading {label} {release.ref} on {device} …", err=True)
-        return Runtime.load(release, device=device, trust_release_code=trust_release_code)
+        click.echo(f"loading {label} {release.ref} on {device} in {str(dtype).removeprefix('torch.')} …", err=True)
+        return Runtime.load(release, device=device, dtype=dtype, trust_release_code=trust_release_code)
 
     together = mode == "together" or (mode == "auto" and _fits_together(variant_release, base_release, device))
     # the base's outputs are cached on disk in both modes: `blaze edit`'s final canary wrote them under the
     # same key when the suite and settings are the same, and a second canary of another variant reuses them
-    common.update(base_cache=DiskCache(), base_key=base_key(Path(base_release.path), device))
+    common.update(base_cache=DiskCache(), base_key=base_key(Path(base_release.path), device, dtype))
     if together:
         base_rt = load(base_release, "base")
         variant_rt = load(variant_release, "variant")
@@ -165,6 +168,9 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                    "CPU, 16 on a GPU (as `blaze edit`, so the base's answers cached by the edit's final canary "
                    "are reused).")
 @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
+@click.option("--dtype", "dtype_name", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Compute dtype of both models. Default: bfloat16 on CUDA, float32 on CPU (as `blaze edit`; "
+                   "use the edit's --dtype to reuse the base answers its final canary cached).")
 @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
               help="Both models in memory at once, or one after the other with the base's outputs cached "
                    "($BLAZE_CACHE/canary). auto: together when both fit.")
@@ -184,7 +190,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 @dataclass_options(Thresholds)
 def canary(variant: str, against: str | None, behavior: str | None, suite: tuple[Path, ...], json_path: Path | None,
            markdown_path: Path | None, max_new_tokens: int | None, damage_tokens: int, batch_size: int | None,
-           device: str | None, mode: str, no_integrity: bool, no_prompted: bool, noise_floor: bool,
+           device: str | None, dtype_name: str | None, mode: str, no_integrity: bool, no_prompted: bool, noise_floor: bool,
            trust_release_code: bool, decisions_eval: Path | None, **overrides: Any) -> None:
     """Compare VARIANT with its base: free-form answers, damage (KL, perplexity), typed decisions, integrity.
 
@@ -196,5 +202,5 @@ def canary(variant: str, against: str | None, behavior: str | None, suite: tuple
     report = run_command(variant, against, behavior, suite, json_path, markdown_path, max_new_tokens, device,
                          trust_release_code, batch_size, mode, not no_integrity, overrides,
                          damage_tokens=damage_tokens, prompted=not no_prompted, decisions_eval=decisions_eval,
-                         noise_floor=noise_floor)
+                         noise_floor=noise_floor, dtype_name=dtype_name)
     sys.exit(0 if report["gate"]["passed"] else 1)
