@@ -302,3 +302,28 @@ def test_qwen35_checkpoint_without_head_is_a_causal_lm(tiny_release: Path, tiny_
 def test_tiny_generations_are_printable(tiny_runtime: Runtime) -> None:
     for generation in tiny_runtime.generate(["What is the speed of light?", "Name three colours."], max_new_tokens=24):
         assert all(ch.isprintable() or ch in "\n\t" for ch in generation.text) and "\ufffd" not in generation.text
+
+
+def test_default_dtype_float32_for_small_plain_models_on_cuda(tmp_path):
+    """float32 on the CPU; on CUDA float32 only for a plain chat model of ≤ 4 GB of weights (bfloat16 answers
+    move with the batch alone); Clef and larger models keep bfloat16."""
+    import torch
+
+    from clef_model.release import Release
+    from clef_model.runtime import FLOAT32_ON_CUDA_MAX_BYTES, default_dtype
+
+    def release(name: str, kind: str, size: int) -> Release:
+        folder = tmp_path / name
+        folder.mkdir()
+        with open(folder / "model.safetensors", "wb") as handle:
+            handle.truncate(size)  # sparse: no bytes written
+        return Release(path=folder, ref=name, revision=None, kind=kind, architecture="llama")
+
+    small, large = release("small", "causal_lm", 10**6), release("large", "causal_lm", FLOAT32_ON_CUDA_MAX_BYTES + 1)
+    clef = release("clef", "clef", 10**6)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_dtype(cuda, small) == torch.float32
+    assert default_dtype(cuda, large) == torch.bfloat16
+    assert default_dtype(cuda, clef) == torch.bfloat16
+    assert default_dtype(cuda) == torch.bfloat16
+    assert {default_dtype(cpu, r) for r in (small, large, clef, None)} == {torch.float32}

@@ -136,6 +136,12 @@ def test_next_strength_rules():
     assert next_strength([row(0.4, 0.3), row(0.8, 0.5, ["loops"])], 0.25, 10.0) == pytest.approx(0.32 ** 0.5)
     assert next_strength([row(0.4, 0.3), row(0.45, 0.5, ["loops"])], 0.25, 10.0) is None   # bracketed
     assert next_strength([row(10.0, 0.1, ["effect"])], 0.25, 10.0) is None                # at the cap
+    # the weakest damaging point already falls short of the bar: nothing weaker can pass (Gemma 3 270M's steer)
+    gemma = [row(0.4, 0.72, ["first_token_kl"]), row(0.1, 0.85, ["loops"]), row(0.025, 0.71, ["quality"]),
+             row(0.00625, 0.198, ["mean_token_kl", "effect"])]
+    assert next_strength(gemma[:3], 0.25, 10.0, 0.4) == pytest.approx(0.00625)
+    assert next_strength(gemma, 0.25, 10.0, 0.4) is None
+    assert next_strength(gemma, 0.0, 10.0) == pytest.approx(0.00625 / 4)   # no effect bar: keep stepping down
     assert {"loops", "quality", "first_token_kl"} <= DAMAGE_CHECKS and "effect" not in DAMAGE_CHECKS
     assert best_row([row(0.2, 0.3), row(0.4, 0.5), row(0.8, 0.9, ["loops"])]).point.strength == 0.4
 
@@ -377,6 +383,10 @@ def test_a_damage_failure_below_a_stronger_pass_of_the_same_check_is_noise():
     strong = row(0.4, ["check_loops"], {"effect": 0.51, "quality": 1.0, "check_loops": 0.007})
     weak = row(0.1, ["quality", "effect"], {"effect": 0.14, "quality": 0.938})
     assert next_strength([strong, weak], 0.25, 10.0, 0.4) == pytest.approx(0.2)
-    # without the stronger pass of `quality`, the weak failure is real damage: step down
+    # without the stronger pass of `quality`, the weak failure is real damage; its effect (0.14) is already below
+    # the gate's 0.25, so no weaker point can pass: the setting is given up
     strong_bad = row(0.4, ["check_loops", "quality"], {"effect": 0.51, "quality": 0.9, "check_loops": 0.007})
-    assert next_strength([strong_bad, weak], 0.25, 10.0, 0.4) == pytest.approx(0.025)
+    assert next_strength([strong_bad, weak], 0.25, 10.0, 0.4) is None
+    # the same damage with an effect still above the bar: step down and look there
+    weak_strong_effect = row(0.1, ["quality"], {"effect": 0.3, "quality": 0.938})
+    assert next_strength([strong_bad, weak_strong_effect], 0.25, 10.0, 0.4) == pytest.approx(0.025)

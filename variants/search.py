@@ -10,7 +10,9 @@ prompts are never looked at). The search spends at most ``budget`` passes, cheap
    bar is met. The first point that fails a damage check (KL, loops, token limit, empty answers, decision
    drift, key-fact quality) bounds the search; then bisect geometrically between the strongest
    non-damaging point and the weakest damaging one until they are within 20 % of each other. Strengths
-   stop at ``STRENGTH_MAX`` (a damage bound of its own).
+   stop at ``STRENGTH_MAX`` (a damage bound of its own). When the weakest damaging point's effect is already
+   below the gate's ``min_effect``, the setting is given up: the effect grows with strength too, so no weaker
+   point can pass, and the passes are left to the alternatives.
 2. **Where and how, when step 1 found no passing point, or none that reached the target effect.**
    Alternatives, in the order :func:`variants.build.alternatives` gives them: ``distill`` (closed-form context
    distillation: its own statistics pass, starting at its own strength scale) for specs whose pairs contrast
@@ -214,6 +216,11 @@ def next_strength(rows: list[Row], min_effect: float, max_strength: float,
     low = max((r.point.strength for r in clean), default=0.0)
     if damaged:
         high = min(r.point.strength for r in damaged)
+        weakest = min(damaged, key=lambda r: r.point.strength)
+        if min_effect > 0 and weakest.effect is not None and weakest.effect < min_effect:
+            # no pass below: the effect grows with strength, and it already falls short of the gate's bar at the
+            # weakest damaging point (steer on Gemma 3 270M spent 4 of 12 passes bisecting under such a point)
+            return None
         if low >= high:       # a noisy non-monotone reading: trust the damage
             low = max((r.point.strength for r in clean if r.point.strength < high), default=0.0)
         if low > 0 and high / low <= BRACKET:

@@ -98,7 +98,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     batch_size = batch_size or generation_batch_size(device)
-    dtype = getattr(torch, dtype_name) if dtype_name else default_dtype(torch.device(device))
+    dtype = getattr(torch, dtype_name) if dtype_name else default_dtype(torch.device(device), base_release)
     integrity_result = None
     if integrity:
         click.echo(f"checking integrity of {variant_release.ref} against {base_release.ref} …", err=True)
@@ -169,8 +169,9 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
                    "are reused).")
 @click.option("--device", default=None, help="cuda or cpu. Default: cuda when available.")
 @click.option("--dtype", "dtype_name", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
-              help="Compute dtype of both models. Default: bfloat16 on CUDA, float32 on CPU (as `blaze edit`; "
-                   "use the edit's --dtype to reuse the base answers its final canary cached).")
+              help="Compute dtype of both models. Default as `blaze edit`: float32 on the CPU, and on CUDA for a "
+                   "plain chat model of ≤ 4 GB of weights; else bfloat16 (give the edit's --dtype to reuse the "
+                   "base answers its final canary cached).")
 @click.option("--mode", type=click.Choice(["auto", "together", "sequential"]), default="auto", show_default=True,
               help="Both models in memory at once, or one after the other with the base's outputs cached "
                    "($BLAZE_CACHE/canary). auto: together when both fit.")

@@ -32,7 +32,9 @@ EDIT_SKIP = ("strength_grid",)
 @dataclass_options(Thresholds, default_note="Default: the spec's gate.")
 @click.option("--device", default=None, help="cuda, cpu, cuda:1, … Default: cuda when available.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
-              help="Compute dtype. Default: bfloat16 on CUDA, float32 on CPU.")
+              help="Compute dtype. Default: float32 on the CPU, and on CUDA for a plain chat model of ≤ 4 GB of "
+                   "weights (bfloat16 answers there move with the batch alone, at the size of the search's "
+                   "verdicts); bfloat16 for Clef and larger models. The variant keeps the base's stored dtype.")
 @click.option("--batch-size", type=click.IntRange(1), default=None,
               help="Prompts per generation batch (search passes, canaries). Default: 128 on the CPU (a decode "
                    "step there reads every weight whatever the rows: 64 rows take about 3x the time of 8), 16 on a "
