@@ -79,10 +79,11 @@ def default_dtype(device: torch.device, release: Release | None = None) -> torch
     """The compute dtype when the user names none: float32 on the CPU; on CUDA bfloat16, except for a plain chat
     model (not Clef) whose weight files take ≤ 4 GB, which runs in float32.
 
-    Why: in bfloat16 a greedy answer moves with the batch alone (SmolLM2 unedited on an H200: 53 of 160 answers
-    changed between batch 16 and 7, against 1 of 160 in float32; BENCHMARKS "One H200, round 6"), and the search's
-    verdicts (one new loop in 134 answers) sit at that noise. A small model in float32 costs no more time on a
-    GPU (its decode is launch-bound) and gives the CPU's verdicts. Clef keeps bfloat16, the release's own dtype,
+    Why: in bfloat16 a greedy answer moves with the batch alone (Gemma 3 270M unedited on an H200: 17 of 160
+    answers changed and one more looped between batch 16 and 7, against 0 of 160 in float32; BENCHMARKS "One
+    H200, round 6"), and the search's verdicts (one new loop in 134 answers) sit at that noise. A small model in
+    float32 costs no more time on a GPU (its decode is launch-bound: 16.0 s in float32 against 35.3 s in
+    bfloat16 for those 160 answers) and gives the CPU's verdicts (the same search table to three decimals). Clef keeps bfloat16, the release's own dtype,
     so its answers match the release's."""
     if device.type != "cuda":
         return torch.float32

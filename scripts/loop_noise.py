@@ -48,6 +48,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=0, help="use only the first N questions (0: all)")
     parser.add_argument("--json", default=None, help="write the summaries here")
+    parser.add_argument("--tokens", default=None,
+                        help="write the first run's answers (token ids, in prompt order) here, to compare two "
+                             "machines' runs with --compare")
+    parser.add_argument("--compare", default=None,
+                        help="a --tokens file of another run: count the answers whose tokens differ from it")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("BLAZE_QUIET", "1")
@@ -85,6 +90,7 @@ def main() -> None:
                              at_limit=sum(len(a.token_ids) >= args.max_new_tokens for a in answers))
         if first is None:
             first = [(a.token_ids, looped) for a, looped in zip(answers, loops, strict=True)]
+            _save_or_compare(args, prompts, [list(a.token_ids) for a in answers])
         else:
             pairs = list(zip(answers, loops, first, strict=True))
             summary = replace(summary, differ=sum(a.token_ids != ids for a, _, (ids, _) in pairs),
@@ -101,6 +107,20 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump([asdict(s) for s in summaries], handle, indent=1)
+
+
+def _save_or_compare(args: argparse.Namespace, prompts: list, tokens: list[list[int]]) -> None:
+    """Write the first run's tokens (--tokens) and count how many differ from another run's (--compare)."""
+    if args.tokens:
+        with open(args.tokens, "w") as handle:
+            json.dump({"prompts": prompts, "tokens": tokens}, handle)
+    if args.compare:
+        with open(args.compare) as handle:
+            other = json.load(handle)
+        if other["prompts"] != prompts:
+            raise SystemExit(f"{args.compare} holds answers to other prompts: compare runs of the same questions")
+        differ = sum(mine != theirs for mine, theirs in zip(tokens, other["tokens"], strict=True))
+        print(f"# against {args.compare}: {differ} of {len(tokens)} answers differ", flush=True)
 
 
 if __name__ == "__main__":
