@@ -5,9 +5,7 @@ it. Per training pair (prompt p, wanted system prompt s):
 
 1. the teacher response y is the base model's own greedy answer to p under s (the canary's generation
    code, :meth:`clef_model.runtime.Runtime.generate`; the end-of-turn token is kept when the model stopped,
-   so the last position learns to stop). Answers that ran to the token limit or loop are dropped
-   (:func:`clean_teacher_items`): they are not the behaviour, and the fit would learn to reproduce them;
-   on Gemma 3 270M 6 of 134 verbosity answers were such runs ("1.0500000…"), 27 % of the fit's tokens;
+   so the last position learns to stop);
 2. two teacher-forced runs: A = chat(p, system=s) + y and B = chat(p, no system) + y, read at the response
    positions (last prompt token .. last response token), aligned by their offset from the end of the prompt;
 3. per target matrix W: keys k = W's input in B, targets r = W's output in A − W's output in B. Only the
@@ -44,7 +42,7 @@ from surgery.statistics import (
 if TYPE_CHECKING:
     from clef_model.runtime import Runtime
 
-FORMAT_VERSION = 2   # 2: degenerate teacher answers are dropped (clean_teacher_items)
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -130,42 +128,6 @@ def teacher_items(runtime: Runtime, pairs: Sequence[ContrastPair], *, max_new_to
             ids = list(answer.token_ids) + ([] if answer.hit_limit or not stops else [stops[0]])
             items.append(DistillItem(prompt=prompt, system=system, response=tuple(ids)))
     return items
-
-
-@dataclass(frozen=True)
-class TeacherSplit:
-    """The teacher answers kept for the fit, and how many were dropped and why (an answer can be both).
-    ``kept_all`` is set when every answer would have been dropped and all were kept instead."""
-
-    kept: list[DistillItem]
-    at_limit: int = 0
-    looped: int = 0
-    dropped: int = 0
-    kept_all: bool = False
-
-
-def clean_teacher_items(items: Sequence[DistillItem], stop_ids: Sequence[int],
-                        loops: Callable[[list[int]], object] | None = None) -> TeacherSplit:
-    """Drop the teacher answers that ``loops`` calls a loop (a truthy result; the canary's
-    :func:`canaries.freeform.find_loop` in ``blaze edit``), and, when most answers stopped by themselves, those
-    that ran to the token limit (no end-of-turn token).
-
-    Why: such an answer is the prompted model failing, not the behaviour, and its tokens are many (every one
-    up to the limit), so the least-squares fit spends itself on reproducing the failure: on Gemma 3 270M the
-    six such verbosity answers (digit runs, repeated questions) were 27 % of the fit's positions, and the
-    variant's new held-out loops were the same digit runs. Where fewer than half stopped (a random-weight
-    fixture never stops), the limit is the model's normal, not a failure, and only loops are dropped; where
-    every answer would go, all are kept (``kept_all``) and the gate judges the result."""
-    stops = set(stop_ids)
-    limits = [not item.response or item.response[-1] not in stops for item in items]
-    looping = [bool(loops(list(item.response))) if loops is not None else False for item in items]
-    limit_is_failure = 2 * sum(limits) < len(items)
-    kept = [item for item, limit, loop in zip(items, limits, looping, strict=True)
-            if not loop and not (limit and limit_is_failure)]
-    split = TeacherSplit(kept=kept, at_limit=sum(limits), looped=sum(looping), dropped=len(items) - len(kept))
-    if not kept:
-        return TeacherSplit(kept=list(items), at_limit=split.at_limit, looped=split.looped, kept_all=True)
-    return split
 
 
 @dataclass
@@ -327,12 +289,10 @@ def collect_distill_statistics(
     cache: Path | str | None = None,
     progress: bool = True,
     echo: Callable[[str], None] | None = None,
-    loops: Callable[[list[int]], object] | None = None,
 ) -> DistillStatistics:
     """Teacher answers + moments for an edit of ``kinds`` in ``layers``, cached in ``cache`` when its inputs
     match. ``layers="auto"`` is resolved as for steer (separation scores of the contrast pairs,
-    :func:`surgery.edit.collect_statistics`), so both methods edit the same band. Teacher answers at the
-    token limit, or that ``loops`` calls a loop, are left out of the fit (:func:`clean_teacher_items`)."""
+    :func:`surgery.edit.collect_statistics`), so both methods edit the same band."""
     from surgery import directions as dirs
     from surgery.plan import layer_ranges, plan, statistics_fingerprint
     from surgery.statistics import collect
@@ -344,7 +304,7 @@ def collect_distill_statistics(
     chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
     fingerprint = statistics_fingerprint(runtime, pairs, preserve, [], {
         "method": "distill", "layers": str(layers), "kinds": parse_kinds(kinds), "batch_size": batch_size,
-        "max_new_tokens": max_new_tokens, "format": FORMAT_VERSION, "teacher_loop_filter": loops is not None})
+        "max_new_tokens": max_new_tokens, "format": FORMAT_VERSION})
     if cache and Path(cache).exists():
         try:
             stats = DistillStatistics.load(cache)
@@ -364,23 +324,18 @@ def collect_distill_statistics(
         say(f"layers auto: chose {layer_ranges(chosen)}")
     the_plan = plan(runtime, chosen, kinds, method="distill", rank=rank)
     say(f"distill: generating the teacher's answers to {len(pairs)} training prompts under the wanted system prompt")
-    answered = teacher_items(runtime, pairs, max_new_tokens=max_new_tokens, batch_size=batch_size)
-    split = clean_teacher_items(answered, runtime.stop_token_ids(), loops)
-    items = split.kept
+    items = teacher_items(runtime, pairs, max_new_tokens=max_new_tokens, batch_size=batch_size)
     stats = collect_distill(runtime, items, preserve, the_plan.targets, batch_size=batch_size, progress=progress)
     stats.meta.update({
         "fingerprint": fingerprint, "layers": list(chosen),
         "layers_spec": layers if isinstance(layers, str) else layer_ranges(chosen), "kinds": the_plan.kinds,
         "architecture": the_plan.architecture, "layer_scores": auto_scores,
-        "teacher_answers": len(answered), "teacher_dropped": split.dropped,
-        "teacher_hit_limit": split.at_limit, "teacher_loops": split.looped,
+        "teacher_hit_limit": sum(1 for i in items if not i.response or i.response[-1] not in runtime.stop_token_ids()),
         "teacher_sha256": hashlib.sha256(json.dumps([[repr(i.prompt), i.system, list(i.response)] for i in items])
                                          .encode()).hexdigest(),
     })
-    say(f"distill: {len(items)} of {len(answered)} teacher answers kept, {stats.meta['response_tokens']} tokens; "
-        f"{split.dropped} dropped ({split.at_limit} ran to the token limit, {split.looped} loop)"
-        + ("; every answer loops or runs to the limit, so all are kept: the prompted model may not show the "
-           "behaviour" if split.kept_all else ""))
+    say(f"distill: {stats.meta['n_items']} teacher answers, {stats.meta['response_tokens']} tokens "
+        f"({stats.meta['teacher_hit_limit']} ran to the token limit)")
     if cache:
         cache_if_small(stats, cache, say)
     return stats

@@ -370,7 +370,7 @@ def solve(
         "statistics": {k: v for k, v in stats.meta.items() if k in (
             "n_pairs", "behaviour_tokens", "preserve_texts", "preserve_requests", "preserve_tokens",
             "accumulate_dtype", "fingerprint", "n_items", "response_tokens", "teacher_hit_limit",
-            "teacher_answers", "teacher_dropped", "teacher_loops", "teacher_sha256")},
+            "teacher_sha256")},
         "targets": result.info,
         **(metadata or {}),
     }

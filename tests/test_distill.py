@@ -16,7 +16,6 @@ from surgery import solvers
 from surgery.distill import (
     DistillItem,
     DistillStatistics,
-    clean_teacher_items,
     collect_distill,
     collect_distill_statistics,
     item_runs,
@@ -121,38 +120,6 @@ def test_teacher_items_answer_under_the_wanted_system_and_keep_the_stop_token():
                      DistillItem(PAIRS[1].prompt, "brief", (50, 51, 52))]     # ran to the limit: nothing added
     with pytest.raises(BlazeError, match="wanted system prompt"):
         teacher_items(rt, [PAIRS[2]], max_new_tokens=7)
-
-
-def test_clean_teacher_items_drops_answers_at_the_limit_and_loops():
-    stop = 2
-    items = [DistillItem("a", "brief", (40, 41, stop)),            # a clean stopped answer
-             DistillItem("b", "brief", (50, 51, 52)),              # ran to the limit (no stop token)
-             DistillItem("c", "brief", (7, 7, 7, 7, stop)),        # stopped, but loops
-             DistillItem("d", "brief", (9, 9, 9, 9))]              # both
-    loops = lambda ids: len(ids) >= 4 and len(set(ids[:4])) == 1  # noqa: E731
-    split = clean_teacher_items(items + [items[0]] * 2, [stop, 1], loops)   # 4 of 6 stopped: the limit is a failure
-    assert split.kept == [items[0]] * 3 and not split.kept_all
-    assert (split.at_limit, split.looped, split.dropped) == (2, 2, 3)
-    assert clean_teacher_items(items + [items[0]] * 2, [stop], None).kept == [items[0], items[2]] + [items[0]] * 2
-    # half or more ran to the limit (a random-weight model never stops): only loops go
-    assert clean_teacher_items(items, [stop], loops).kept == [items[0], items[1]]
-    # nothing would be left: everything is kept, and said so
-    every = clean_teacher_items(items[3:], [stop], loops)
-    assert every.kept == items[3:] and every.kept_all and every.dropped == 0
-
-
-def test_collect_distill_statistics_leaves_degenerate_teacher_answers_out(tmp_path):
-    answers = {p.prompt: ([20 + i, 21 + i], False) for i, p in enumerate(PAIRS)}
-    answers[PAIRS[1].prompt] = ([30, 30, 30, 30, 30], False)           # a loop, stopped
-    rt = TeacherRuntime(answers)
-    stats = collect_distill_statistics(rt, PAIRS[:3], None, "1-2", "writers", max_new_tokens=8, progress=False,
-                                       loops=lambda ids: ids[:4] == [30] * 4)
-    kept = [p for p in PAIRS[:3] if p.wanted_system and p is not PAIRS[1]]
-    assert stats.meta["teacher_dropped"] == 1 and stats.meta["teacher_loops"] == 1
-    assert stats.meta["n_items"] == len(kept) == stats.meta["teacher_answers"] - 1
-    unfiltered = collect_distill_statistics(rt, PAIRS[:3], None, "1-2", "writers", max_new_tokens=8,
-                                            progress=False)
-    assert unfiltered.meta["n_items"] == len(kept) + 1 and unfiltered.meta["teacher_dropped"] == 0
 
 
 # ------------------------------------------------------------------------------------------ collection

@@ -470,13 +470,12 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         has its own (the base's answers under the wanted system prompt and the moments of both runs)."""
         if method == "distill":
             if (layers, kinds, method) not in collected:
-                from canaries.freeform import find_loop
                 from surgery.distill import collect_distill_statistics
 
                 cache = _cache_file(opts, runtime, spec, s, layers, kinds, preserved)
                 collected[layers, kinds, method] = collect_distill_statistics(
                     runtime, pairs, keep, layers, kinds, max_new_tokens=s.max_new_tokens, rank=s.rank,
-                    batch_size=batch, progress=opts.progress, echo=echo, loops=find_loop,
+                    batch_size=batch, progress=opts.progress, echo=echo,
                     cache=cache.with_name(f"{cache.stem}-distill-{s.max_new_tokens}.pt"))
             return collected[layers, kinds, method]
         if (layers, kinds) not in collected:
