@@ -122,11 +122,12 @@ def read_manifest(row: EvalRow, folder: Path) -> None:
     edit = manifest.get("edit") or manifest.get("extra") or manifest
     flat = {**manifest, **edit} if isinstance(edit, dict) else manifest
     row.settings = {key: flat[key] for key in SETTING_KEYS if key in flat}
-    search = flat.get("search") if isinstance(flat.get("search"), dict) else {}
+    found = flat.get("search")
+    search: dict[str, Any] = found if isinstance(found, dict) else {}
     row.passes = next((src[key] for src in (search, flat) for key in PASS_KEYS if key in src), None)
     if row.passes is None and isinstance(flat.get("sweep"), list):
         row.passes = f"{len(flat['sweep'])} sweep points"
-    chosen = search.get("chosen") if isinstance(search, dict) else None
+    chosen = search.get("chosen")
     if isinstance(chosen, dict):
         row.settings.update({k: v for k, v in chosen.items() if k not in ("row", "lam")})
     if search.get("stopped"):
