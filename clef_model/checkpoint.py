@@ -156,8 +156,8 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise ReleaseError(f"{path}: cannot be read ({error.strerror}); check the path and permissions.") from error
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise corrupt(f"header is not JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested past Python's stack
+        raise corrupt(f"header is not JSON: {type(error).__name__}: {str(error)[:200]}") from None
     if not isinstance(header, dict):
         raise corrupt("header is not a JSON object")
     data_start = 8 + header_len

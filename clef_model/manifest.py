@@ -319,7 +319,7 @@ class Manifest(_Section):
         """Parse a manifest file's text; ManifestError when it is not JSON or not a manifest this blaze reads."""
         try:
             raw = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ManifestError(f"{where} is not valid JSON ({error}); the variant folder is damaged — re-create "
                                 "it with blaze edit or blaze apply") from None
         return cls.from_dict(raw, where)

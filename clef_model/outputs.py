@@ -79,10 +79,32 @@ def _read_marker(folder: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _is_blaze_manifest(path: Path) -> bool:
+    """Whether `path` is a JSON object carrying blaze's manifest version key (a file merely named
+    blaze_manifest.json, written by someone else, does not make its folder blaze's to replace)."""
+    from clef_model.manifest import VERSION_KEY
+
+    try:
+        if not path.is_file() or path.stat().st_size > 256 * 2**20:
+            return False
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and VERSION_KEY in data
+
+
+def check_separate(out: Path, other: Path, what: str) -> None:
+    """Refuse an output folder that is `other`, lies inside it or holds it (BlazeError naming `what`): writing
+    there, or replacing it with --force, would change or delete `other`."""
+    out_real, other_real = Path(out).resolve(), Path(other).resolve()
+    if out_real == other_real or out_real in other_real.parents or other_real in out_real.parents:
+        raise BlazeError(f"the output {out} overlaps {what} {other}; write it to a separate folder.")
+
+
 def written_by_blaze(folder: Path) -> bool:
     """Whether `folder` is an output of blaze, so `--force` may replace it (see the module docstring)."""
     folder = Path(folder).absolute()
-    if (folder / _MANIFEST).is_file() or _read_marker(folder) is not None:
+    if _is_blaze_manifest(folder / _MANIFEST) or _read_marker(folder) is not None:
         return True
     try:
         if (folder / "LICENSE").read_text(encoding="utf-8", errors="replace").startswith(_FIXTURE_LICENSE):

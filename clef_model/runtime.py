@@ -141,22 +141,29 @@ def validate_request(request: Any) -> None:
     if not questions:
         raise RequestError("at least one question is required")
     for question_id, question in questions.items():
-        where = f"questions.{question_id}"
-        if not isinstance(question, dict) or question.get("type") not in _QUESTION_TYPES:
-            raise RequestError(f"{question_id}: type must be noul, choice, or score")
-        criteria = question.get("criteria")
-        if question["type"] != "noul" and not criteria:
-            raise RequestError(f"{question_id}: criteria must not be empty")
-        if question["type"] == "choice" and not isinstance(criteria, dict):
-            raise RequestError(f"{where}.criteria: must be an object mapping option ids to descriptions for a "
-                               f"choice question (got {_kind(criteria)})")
-        if question["type"] == "score" and not isinstance(criteria, list):
-            raise RequestError(f"{where}.criteria: must be a list of level descriptions for a score question "
-                               f"(got {_kind(criteria)})")
-        if question["type"] == "noul" and criteria is not None:
-            if not isinstance(criteria, dict) or not set(criteria) <= {"true", "false"}:
-                raise RequestError(f"{where}.criteria: a noul question's criteria, when given, must be an object "
-                                   'with at most the keys "true" and "false"')
+        _validate_question(question_id, question)
+
+
+def _validate_question(question_id: str, question: Any) -> None:
+    """One question of a SystemOne request (see `validate_request`)."""
+    where = f"questions.{question_id}"
+    if not question_id.strip():  # the release answers an empty id with NaN, which is not JSON
+        raise RequestError("questions: a question id must be a non-empty name (got an empty or blank key)")
+    if not isinstance(question, dict) or question.get("type") not in _QUESTION_TYPES:
+        raise RequestError(f"{question_id}: type must be noul, choice, or score")
+    criteria = question.get("criteria")
+    if question["type"] != "noul" and not criteria:
+        raise RequestError(f"{question_id}: criteria must not be empty")
+    if question["type"] == "choice" and not isinstance(criteria, dict):
+        raise RequestError(f"{where}.criteria: must be an object mapping option ids to descriptions for a "
+                           f"choice question (got {_kind(criteria)})")
+    if question["type"] == "score" and not isinstance(criteria, list):
+        raise RequestError(f"{where}.criteria: must be a list of level descriptions for a score question "
+                           f"(got {_kind(criteria)})")
+    if question["type"] == "noul" and criteria is not None:
+        if not isinstance(criteria, dict) or not set(criteria) <= {"true", "false"}:
+            raise RequestError(f"{where}.criteria: a noul question's criteria, when given, must be an object "
+                               'with at most the keys "true" and "false"')
 
 
 class Runtime:

@@ -16,7 +16,7 @@ The edited tensors' recorded hashes are then verified as they stream (`write_var
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from clef_model.checkpoint import sha256_file
 from clef_model.errors import BlazeError
-from clef_model.outputs import check_output
+from clef_model.outputs import check_output, check_separate
 from clef_model.release import DEFAULT_BASE, Release, resolve_release
 from surgery.delta import BaseMismatchError, PatchArrays, check_identity, patch_path, trusted_tensor_sha256
 from surgery.manifest import read_manifest
@@ -61,8 +61,8 @@ def patch_problems(patch: PatchArrays) -> list[str]:
             if not np.isfinite(factor).all():
                 problems.append(f"its factor {name}.{label} holds NaN or infinite values")
     recorded = patch.base_identity or {}
-    listed = recorded.get("tensor_sha256")
-    if recorded and isinstance(listed, dict):
+    listed = recorded.get("tensor_sha256") or {}
+    if recorded:  # an identity that lists no tensor hashes checks none of the edited tensors: refused too
         unlisted = [name for name in patch.names() if name not in listed]
         if unlisted:
             problems.append(f"it edits {len(unlisted)} tensor(s) its base identity does not list "
@@ -72,14 +72,19 @@ def patch_problems(patch: PatchArrays) -> list[str]:
 
 def apply_patch(patch: Path, out: Path, *, base: str | None = None, revision: str | None = None,
                 force: bool = False, max_shard_bytes: int = 5 * 10**9,
-                warn: Callable[[str], None] = lambda _m: None) -> ApplyResult:
+                warn: Callable[[str], None] = lambda _m: None, also_writes: Sequence[Path] = ()) -> ApplyResult:
     """Apply the patch file at `patch` (or a variant folder holding one) to its base; write the variant to `out`.
 
     `base`/`revision` default to what the patch records (else Cloudflare/clef-flash). `force` replaces an
     earlier blaze output at `out` and applies even to a different base (with warnings through `warn`).
     Raises BlazeError (bad patch, wrong base, unwritable output); nothing is left at `out` on failure.
+    `also_writes` are further output folders the caller writes afterwards (``--export-lora``): each is checked
+    as `out` is, and against the base and `out`, before anything is written.
     """
     check_output(out, force)
+    for other in also_writes:
+        check_separate(other, out, "the variant output")  # first: check_output may create its parent folder
+        check_output(other, force)
     patch_file = patch_path(patch)
     loaded = PatchArrays.load(patch_file)
     problems = patch_problems(loaded)
@@ -89,6 +94,8 @@ def apply_patch(patch: Path, out: Path, *, base: str | None = None, revision: st
     recorded = loaded.base_identity or {}
     ref = base or recorded.get("ref") or DEFAULT_BASE
     release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
+    for path in (out, *also_writes):
+        check_separate(path, Path(release.path), "the base")
     warnings: list[str] = []
 
     def warning(message: str) -> None:

@@ -162,11 +162,7 @@ class PatchArrays:
                 raise BlazeError(f"{path}: {base!r} has only one of its two factors (U, V); the file is damaged.")
             factors[base] = (arrays[f"{base}.U"].astype(np.float32, copy=False),
                              arrays[f"{base}.V"].astype(np.float32, copy=False))
-        try:
-            identity = json.loads(meta.get("blaze_base_identity", "null"))
-            metadata = json.loads(meta.get("blaze_metadata", "{}"))
-        except json.JSONDecodeError as error:
-            raise BlazeError(f"{path}: the patch metadata is not valid JSON ({error}); the file is damaged.") from None
+        identity, metadata = _patch_metadata(path, meta)
         return cls(factors, identity, metadata)
 
     # -- fitting a base -----------------------------------------------------------------------------------
@@ -195,6 +191,42 @@ class PatchArrays:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise BlazeError(f"the patch does not fit the base at {reader.folder}: {shown}. "
                              "Use the base the patch was made from.")
+
+
+_IDENTITY_TYPES = {"ref": str, "revision": str, "index_sha256": str, "tensor_sha256": dict}
+
+
+def _patch_metadata(path: Path, meta: dict[str, Any]) -> tuple[dict | None, dict]:
+    """The patch's base identity and edit metadata, checked for shape: JSON text holding an object (the
+    identity may be null), the identity's fields of their types, and, once an identity is recorded, a
+    ``tensor_sha256`` object of name → digest (:func:`surgery.apply.patch_problems` refuses an identity that does
+    not list every edited tensor)."""
+    def damaged(why: str) -> BlazeError:
+        return BlazeError(f"{path}: the patch metadata {why}; the file is damaged or was not written by blaze.")
+
+    parsed = []
+    for key, empty in (("blaze_base_identity", "null"), ("blaze_metadata", "{}")):
+        text = meta.get(key, empty)
+        if not isinstance(text, str):
+            raise damaged(f"field {key} is not a string")
+        try:
+            parsed.append(json.loads(text))
+        except (ValueError, RecursionError) as error:
+            raise damaged(f"field {key} is not valid JSON ({type(error).__name__})") from None
+    identity, metadata = parsed
+    if not isinstance(metadata, dict):
+        raise damaged("field blaze_metadata is not a JSON object")
+    if identity is None:
+        return None, metadata
+    if not isinstance(identity, dict):
+        raise damaged("field blaze_base_identity is not a JSON object")
+    for field_name, kind in _IDENTITY_TYPES.items():
+        if identity.get(field_name) is not None and not isinstance(identity[field_name], kind):
+            raise damaged(f"base identity field {field_name} is not a {kind.__name__}")
+    digests = identity.get("tensor_sha256") or {}
+    if any(not isinstance(k, str) or not isinstance(v, str) for k, v in digests.items()):
+        raise damaged("base identity tensor_sha256 holds entries that are not name → digest strings")
+    return identity, metadata
 
 
 def patch_path(path: Path) -> Path:

@@ -18,6 +18,7 @@ import torch
 
 from clef_model.checkpoint import atomic_output, save_tensors
 from clef_model.errors import BlazeError
+from clef_model.outputs import check_separate
 from surgery.patch import Patch
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ def export_lora(patch: Patch, base: Release, out_dir: Path, *, force: bool = Fal
         revision=getattr(base, "revision", None),
         inference_mode=True,
     )
+    check_separate(Path(out_dir), Path(base.path), "the base")  # --force would otherwise replace the base itself
     with atomic_output(Path(out_dir), force=force) as tmp:
         config.save_pretrained(str(tmp))
         # PEFT keeps target_modules as a set: sort it so the same patch always gives the same file

@@ -406,6 +406,24 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
+def check_outputs(opts: BuildOptions, out: Path, base: Path | None = None) -> None:
+    """Refuse, before any compute, an output (``--out``, ``--export-lora``) that cannot be written or that blaze
+    must not replace, an adapter folder that overlaps the variant's, and (once ``base`` is known) either one
+    overlapping the base: writing there, or replacing it with ``--force``, would change or delete the base."""
+    from clef_model.outputs import check_output, check_separate
+
+    adapter = Path(opts.export_lora) if opts.export_lora else None
+    if base is None:
+        check_output(out, opts.force)
+        if adapter is not None:
+            check_separate(adapter, out, "the variant output")  # first: check_output may create its parent
+            check_output(adapter, opts.force)
+        return
+    for path in (out, adapter):
+        if path is not None:
+            check_separate(path, base, "the base")
+
+
 def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> BuildResult:
     """Run a whole ``blaze edit``; see the module docstring."""
     from clef_model.release import DEFAULT_BASE
@@ -424,9 +442,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
 
     times = StageTimes()  # per-stage wall/CPU seconds for the timing line (issue 11: the search's cost)
     out = Path(opts.out)
-    from clef_model.outputs import check_output
-
-    check_output(out, opts.force)  # before minutes of compute: not empty, blaze's own (--force), writable
+    check_outputs(opts, out)  # before minutes of compute: not empty, blaze's own (--force), writable
     spec = load_behavior(opts.behavior)
     pairs = contrast_pairs(spec)
     s = edit_settings(spec, opts, pairs)
@@ -442,6 +458,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
     runtime = Runtime.load(opts.base or DEFAULT_BASE, revision=opts.revision, device=opts.device, dtype=dtype,
                            trust_release_code=opts.trust_release_code)
+    check_outputs(opts, out, base=Path(runtime.release.path))
     batch = opts.batch_size or generation_batch_size(runtime.device)
     statistics_batch = min(STATISTICS_BATCH, batch)
     from canaries.cache import DiskCache, base_key

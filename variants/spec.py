@@ -393,6 +393,9 @@ def _load_file(path: Path, expected_name: str | None) -> BehaviorSpec:
         raise SpecError(f"{path}: cannot read the spec file ({error})") from None
     except ValueError as error:  # json reads integers of at most 4300 digits (sys.get_int_max_str_digits)
         raise SpecError(f"{path}: a number in the spec file is too long ({error}); use a value in range") from None
+    except RecursionError:
+        raise SpecError(f"{path}: the spec file nests too deeply to read; a spec is a few levels of objects "
+                        "and lists") from None
     spec = parse_behavior(data, source=str(path))
     if expected_name is not None and spec.name != expected_name:
         raise SpecError(f"{path}: name: {spec.name!r} must equal the file name {expected_name!r} (the variant's "

@@ -78,7 +78,8 @@ def apply(patch: Path, base: str | None, revision: str | None, out: Path, force:
 
     started = time.perf_counter()
     result = apply_patch(patch, out, base=base, revision=revision, force=force, max_shard_bytes=max_shard_size,
-                         warn=lambda message: click.echo(f"warning: {message}", err=True))
+                         warn=lambda message: click.echo(f"warning: {message}", err=True),
+                         also_writes=(export_lora,) if export_lora is not None else ())
     if export_lora is not None:
         from surgery.lora import export_lora as write_lora  # imports torch (PEFT); only for this option
         from surgery.patch import Patch

@@ -19,10 +19,15 @@ def _read_requests(source: str) -> Any:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except OSError as error:
         raise BlazeError(f"cannot read {source} ({error.strerror}); pass a JSON request file or - for stdin.") from None
+    except UnicodeDecodeError:
+        raise BlazeError(f"{source} is not UTF-8 text; a request file is JSON in UTF-8.") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise BlazeError(f"{source} is not valid JSON ({error.msg} at line {error.lineno}); fix the request file.") from None
+    except (ValueError, RecursionError) as error:  # an over-long integer; nesting deeper than Python's stack
+        raise BlazeError(f"{source} cannot be read as a request ({type(error).__name__}: nesting too deep or a "
+                         "number too long); fix the request file.") from None
 
 
 @click.command("systemone")
