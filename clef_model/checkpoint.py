@@ -129,6 +129,14 @@ class TensorInfo:
     nbytes: int
 
 
+def _plain_shard_name(name: object) -> bool:
+    """Whether an index entry is a relative path without `..`, so it names a file of the release folder itself.
+    (Not resolved: a Hugging Face snapshot's shards are symlinks into its blob store, which is fine.)"""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    return not Path(name).is_absolute() and ".." not in Path(name).parts
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """Parse one safetensors file's header without reading its data; returns (header, data start offset).
 
@@ -216,6 +224,11 @@ class CheckpointReader:
                 ) from None
             files = {}
             for shard in sorted(set(wanted.values())):
+                if not _plain_shard_name(shard):
+                    raise ReleaseError(
+                        f"{self.index_path}: the index names shard {shard!r}, outside the release folder; a "
+                        "checkpoint's shards are files of its own folder. Re-download the release."
+                    )
                 if not (folder / shard).is_file():
                     raise ReleaseError(
                         f"{folder}: the index names shard {shard!r}, which is missing; re-download the release."

@@ -18,6 +18,7 @@ else is a `BlazeError` that names the variable.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -87,7 +88,12 @@ def hash_cache() -> bool:
 def stats_cache_max_bytes(default_gb: float = 2.0) -> float:
     """`BLAZE_STATS_CACHE_MAX_GB` in bytes: the largest statistics file the cache keeps."""
     value = _raw(STATS_CACHE_MAX_GB)
+    if not value:
+        return default_gb * 1e9
     try:
-        return float(value) * 1e9 if value else default_gb * 1e9
+        number = float(value)
     except ValueError:
-        raise BlazeError(f"{STATS_CACHE_MAX_GB} must be a number of gigabytes (got {value!r})") from None
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise BlazeError(f"{STATS_CACHE_MAX_GB} must be a number of gigabytes, 0 or more (got {value!r})")
+    return number * 1e9

@@ -168,3 +168,28 @@ def test_edit_checks_its_adapter_folder_before_any_compute(tiny_release, tmp_pat
     check_outputs(inside, tmp_path / "v")              # a blaze fixture may be replaced with --force …
     with pytest.raises(BlazeError, match="overlaps the base"):
         check_outputs(inside, tmp_path / "v", base=Path(tiny_release))   # … but not when it is the base
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere/model.safetensors", "/etc/passwd", "a/../../x.safetensors"])
+def test_an_index_naming_a_shard_outside_the_release_is_refused(base_and_patch, shard):
+    from clef_model.checkpoint import CheckpointReader
+
+    base, _ = base_and_patch
+    index_path = base / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(BlazeError, match="outside the release folder"):
+        CheckpointReader(base)
+
+
+def test_a_bad_stats_cache_limit_is_refused(monkeypatch):
+    from clef_model.env import stats_cache_max_bytes
+
+    for value in ("nan", "-1", "inf", "lots"):
+        monkeypatch.setenv("BLAZE_STATS_CACHE_MAX_GB", value)
+        with pytest.raises(BlazeError, match="BLAZE_STATS_CACHE_MAX_GB"):
+            stats_cache_max_bytes()
+    monkeypatch.setenv("BLAZE_STATS_CACHE_MAX_GB", "0.5")
+    assert stats_cache_max_bytes() == 0.5e9
