@@ -46,6 +46,7 @@ from clef_model.checkpoint import (
 )
 from clef_model.errors import BlazeError
 from clef_model.filehash import known_sha256, record_sha256
+from clef_model.outputs import check_separate
 from clef_model.release import is_junk
 from surgery.delta import PATCH_FILE, BaseMismatchError, PatchArrays, RowBlockUpdate, as_arrays
 from surgery.manifest import MANIFEST_FILE, build_manifest, write_manifest
@@ -201,9 +202,7 @@ def _side_files(base: Release, reader: CheckpointReader) -> list[str]:
 
 
 def _check_paths(base_path: Path, out: Path) -> None:
-    base_real, out_real = base_path.resolve(), out.resolve()
-    if out_real == base_real or out_real in base_real.parents or base_real in out_real.parents:
-        raise BlazeError(f"the output {out} overlaps the base {base_path}; write the variant to a separate folder.")
+    check_separate(out, base_path, "the base")
 
 
 def _progress(total: int, enabled: bool, desc: str):
