@@ -166,7 +166,7 @@ def check_output(dest: Path, force: bool = False) -> Path:
         if not force:
             raise BlazeError(f"{dest} is not empty; choose another output folder or pass --force to replace it.")
         if not written_by_blaze(dest):
-            raise BlazeError(f"{dest} is not empty and was not written by blaze (no {_MANIFEST}); --force only "
+            raise BlazeError(f"{dest} is not empty and was not written by blaze (no blaze {_MANIFEST}); --force only "
                              "replaces blaze's own outputs. Choose another output folder, or empty this one "
                              "yourself.")
     parent = dest.parent

@@ -172,7 +172,7 @@ def test_atomic_output_renames_on_success_and_cleans_up_on_error(tmp_path):
     with atomic_output(dest) as tmp:
         assert tmp.parent == tmp_path and tmp.name.startswith(".variant.tmp-")
         (tmp / "f").write_text("1")
-        (tmp / "blaze_manifest.json").write_text("{}")  # a variant: --force may replace it below
+        (tmp / "blaze_manifest.json").write_text('{"blaze_manifest": 1}')  # a variant: --force may replace it
     assert (dest / "f").read_text() == "1"
     assert [p.name for p in tmp_path.iterdir()] == ["variant"]
     assert sorted(p.name for p in dest.iterdir()) == ["blaze_manifest.json", "f"]  # the temporary marker is gone
