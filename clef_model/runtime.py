@@ -83,8 +83,8 @@ def default_dtype(device: torch.device, release: Release | None = None) -> torch
     answers changed and one more looped between batch 16 and 7, against 0 of 160 in float32; BENCHMARKS "One
     H200, round 6"), and the search's verdicts (one new loop in 134 answers) sit at that noise. A small model in
     float32 costs no more time on a GPU (its decode is launch-bound: 16.0 s in float32 against 35.3 s in
-    bfloat16 for those 160 answers) and gives the CPU's verdicts (the same search table to three decimals). Clef keeps bfloat16, the release's own dtype,
-    so its answers match the release's."""
+    bfloat16 for those 160 answers) and gives the CPU's verdicts (the same search table to three decimals).
+    Clef keeps bfloat16, the release's own dtype, so its answers match the release's."""
     if device.type != "cuda":
         return torch.float32
     if release is not None and release.kind != "clef" and _weight_bytes(release) <= FLOAT32_ON_CUDA_MAX_BYTES:

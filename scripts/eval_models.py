@@ -141,7 +141,7 @@ def evaluate(model: str, behavior: str, out: Path, device: str | None, extra: li
     `separate_canary=False` reads the report the edit's own final canary stored in the variant (the same
     held-out prompts plus the general suite, with the prompted ceiling) instead of running `blaze canary`
     again: half the generation on a slow CPU. `canary_extra`: more `blaze canary` arguments (e.g. --noise-floor).
-    `dtype`: the compute dtype of the edit and the canary (default: blaze's, bfloat16 on CUDA).
+    `dtype`: the compute dtype of the edit and the canary (default: blaze's, `clef_model.runtime.default_dtype`).
     """
     folder = out / f"{model}-{behavior}"
     common = (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for variants, logs, reports and the table")
     parser.add_argument("--device", default=None, help="cpu, cuda, … (default: blaze's)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                        help="compute dtype of the edit and the canary (default: blaze's: bfloat16 on CUDA)")
+                        help="compute dtype of the edit and the canary (default: blaze's: float32 for small plain models, bfloat16 for Clef)")
     parser.add_argument("--edit-arg", action="append", default=[], help="extra argument for blaze edit (repeat)")
     parser.add_argument("--reuse-edit-canary", action="store_true",
                         help="read the edit's own held-out canary report instead of running blaze canary again")

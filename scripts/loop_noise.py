@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--base", default="smollm2", help="an embedded alias or a release folder")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                        help="compute dtype (default: blaze's: bfloat16 on CUDA, float32 on CPU)")
+                        help="compute dtype (default: blaze's: float32 on the CPU and for small plain models on CUDA)")
     parser.add_argument("--batches", default="16,1,7", help="comma-separated batch sizes; the first is the reference")
     parser.add_argument("--reference-path", action="store_true",
                         help="also run transformers' generate (BLAZE_FAST=0) at the first batch size")

@@ -52,7 +52,7 @@ def run_command(variant_ref: str, against: str | None, behavior: str | None, sui
 
     `prompted`: also run the base under the behaviour's wanted system prompt (the prompted ceiling).
     `noise_floor`: also rerun the base's free-form answers one prompt per batch (`canaries.noise`).
-    `dtype_name`: the compute dtype of both models (default: bfloat16 on CUDA, float32 on CPU)."""
+    `dtype_name`: the compute dtype of both models (default: `clef_model.runtime.default_dtype` of the base)."""
     import torch
 
     from canaries.cache import DiskCache, base_key
