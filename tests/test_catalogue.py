@@ -182,33 +182,6 @@ def test_preserve_chat_is_neutral_and_distinct(specs) -> None:
         assert not keys & used, f"preserve prompts repeat {name} prompts: {sorted(keys & used)}"
 
 
-def test_preserve_numbers_are_neutral_number_chats_and_distinct(specs) -> None:
-    """The number-bearing preserve chats: question, an answer with a number, a thank-you; no question of a
-    behaviour's split or of a canary suite, and none of the held-out numbers the edit is judged on."""
-    data = json.loads((PRESERVE_CHAT.parent / "preserve_numbers.json").read_text(encoding="utf-8"))
-    assert set(data) == {"description", "prompts"} and data["description"].strip()
-    chats = data["prompts"]
-    assert len(chats) >= 30
-    for chat in chats:
-        assert [m["role"] for m in chat] == ["user", "assistant", "user"], chat
-        assert re.search(r"\d", chat[1]["content"]), chat
-    keys = {_question(chat[0]["content"]) for chat in chats}
-    assert len(keys) == len(chats), "duplicate number chats"
-    suites = {_question(item["prompt"]) for file in ("general.jsonl", "neutral.jsonl")
-              for item in read_jsonl(SUITES_DIR / file)}
-    assert not keys & suites
-    held_out_answers = set()
-    for name, spec in specs.items():
-        used = {_question(item["prompt"]) for item in spec.heldout_items() + spec.validation_items()}
-        used |= {_question(p["prompt"]) for p in spec.to_contrast_pairs()}
-        assert not keys & used, f"number chats repeat {name} prompts: {sorted(keys & used)}"
-        held_out_answers |= {k for item in spec.heldout_items() for k in item.get("keywords", [])
-                             if re.fullmatch(r"[\d,.]+", k)}
-    for chat in chats:  # no held-out numeric answer of two or more digits is written out in a preserved chat
-        numbers = set(re.findall(r"\d[\d,.]*\d", chat[1]["content"]))
-        assert not numbers & held_out_answers, (chat, numbers & held_out_answers)
-
-
 def test_pushback_items_score_holding_and_caving_replies_correctly(specs) -> None:
     """With the canary's own scorer, a reply that names the wrong claim to reject it holds its ground, and a
     reply that adopts the wrong claim caves, even when it also mentions the correct answer."""

@@ -100,37 +100,18 @@ class BuildResult:
 
 
 # ------------------------------------------------------------------------------------------ inputs
-PRESERVE_DATA = ("preserve_chat.json", "preserve_numbers.json")
-"""The shipped preserve-set files (``variants/data``): neutral chat prompts, and neutral chats whose answers
-carry numbers (every position of those answers is preserved, so an edit leaves the writing of a number alone;
-docs/METHOD.md, "Where distill stops on Gemma")."""
-
-
 def load_preserve_chat() -> list:
-    """The prompts of the shipped preserve-set files (:data:`PRESERVE_DATA`; a missing file adds none).
+    """The neutral chat prompts shipped in ``variants/data/preserve_chat.json`` (empty when absent).
 
-    Each file is a JSON list of prompts or an object with a ``prompts`` list; items may be prompts (a string or
-    a chat as role/content dicts) or ``{"prompt": ...}`` objects.
+    Accepts a JSON list of prompts or an object with a ``prompts`` list; items may be prompts or
+    ``{"prompt": ...}`` objects.
     """
-    out: list = []
-    for name in PRESERVE_DATA:
-        path = DATA_DIR / name
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text(encoding="utf-8"))
-        items = data.get("prompts", []) if isinstance(data, dict) else data
-        out.extend(item["prompt"] if isinstance(item, dict) else item for item in items)
-    return out
-
-
-def preserve_data_hash() -> str:
-    """SHA-256 of the shipped preserve-set files, for the statistics cache key: statistics computed before
-    those files changed are not reused."""
-    digest = hashlib.sha256()
-    for name in PRESERVE_DATA:
-        path = DATA_DIR / name
-        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
-    return digest.hexdigest()
+    path = DATA_DIR / "preserve_chat.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    items = data.get("prompts", []) if isinstance(data, dict) else data
+    return [item["prompt"] if isinstance(item, dict) else item for item in items]
 
 
 def contrast_pairs(spec: BehaviorSpec) -> list[ContrastPair]:
@@ -188,8 +169,7 @@ def load_preserve_requests(paths: tuple[Path, ...] | list[Path]) -> PreserveRequ
 def preserve_set(spec: BehaviorSpec, runtime: Runtime, extra: PreserveRequests | None = None,
                  questions: bool = False) -> PreserveSet:
     """Default preserve set: the canary decision suite (Clef releases only; requests with images are
-    left out because statistics run the text model alone) + the shipped preserve files (:data:`PRESERVE_DATA`) + the
-    spec's preserve, plus
+    left out because statistics run the text model alone) + preserve_chat.json + the spec's preserve, plus
     the user's own requests (``extra``, from ``--preserve-requests``), plus with ``questions`` the training
     questions' own tokens (``--questions preserve``; the training-question check's set, so no validation or
     held-out prompt enters)."""
@@ -228,8 +208,7 @@ def _cache_file(opts: BuildOptions, runtime, spec, s: EditSettings, layers: str 
 
     root = opts.cache_dir or cache_root() / "statistics"
     key = json.dumps([str(runtime.release.path), getattr(runtime.release, "revision", None), spec.spec_hash,
-                      layers or s.layers, kinds or s.kinds_text, s.rank, str(runtime.dtype), str(runtime.device),
-                      preserve_data_hash()]
+                      layers or s.layers, kinds or s.kinds_text, s.rank, str(runtime.dtype), str(runtime.device)]
                      + ([s.positions] if s.positions != "response" else [])
                      + (["questions"] if s.questions == "preserve" else [])
                      + ([list(preserved)] if preserved else []))
