@@ -14,8 +14,8 @@ Every folder blaze writes (a variant, a fixture, a LoRA adapter, the embedded ba
   there;
 - `force=True` replaces only a folder that blaze wrote (`written_by_blaze`): a variant (it holds
   `blaze_manifest.json`), a fixture (its LICENSE says so), a LoRA adapter blaze exported (only the two
-  PEFT files), anything under blaze's cache folder. Any other non-empty folder is refused and keeps its
-  files;
+  PEFT files), anything under the cache's `embedded/` and `fixtures/` folders. Any other non-empty folder is
+  refused and keeps its files;
 - writability is checked before anything else (`check_output`), so a read-only `--out` is refused before
   minutes of compute, not after;
 - a full disk becomes a `BlazeError` naming the path and the free space, and leaves nothing behind.
@@ -101,6 +101,21 @@ def check_separate(out: Path, other: Path, what: str) -> None:
         raise BlazeError(f"the output {out} overlaps {what} {other}; write it to a separate folder.")
 
 
+def check_cache_outside(base: Path) -> None:
+    """Refuse a base that holds blaze's cache (``BLAZE_CACHE`` set to the base or a folder inside it): blaze writes
+    file hashes, statistics and answers there, which would change the base."""
+    from clef_model.env import cache_root
+
+    cache, base_real = cache_root().resolve(), Path(base).resolve()
+    if cache == base_real or base_real in cache.parents:
+        raise BlazeError(f"BLAZE_CACHE ({cache_root()}) lies inside the base {base}; blaze writes its caches there, "
+                         "which would change the base. Point BLAZE_CACHE at a folder outside it.")
+
+
+CACHE_OUTPUTS = ("embedded", "fixtures")
+"""The folders under the cache root that hold outputs blaze itself wrote (converted models, built fixtures)."""
+
+
 def written_by_blaze(folder: Path) -> bool:
     """Whether `folder` is an output of blaze, so `--force` may replace it (see the module docstring)."""
     folder = Path(folder).absolute()
@@ -115,7 +130,8 @@ def written_by_blaze(folder: Path) -> bool:
         pass
     from clef_model.env import cache_root
 
-    return cache_root().absolute() in folder.parents
+    # only blaze's own output folders in the cache: a BLAZE_CACHE of `~` must not make `--force` replace ~/anything
+    return any((cache_root() / name).absolute() in folder.parents for name in CACHE_OUTPUTS)
 
 
 def remove_stale_temporaries(parent: Path) -> list[Path]:

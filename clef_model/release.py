@@ -247,4 +247,7 @@ def resolve_release(ref: str | Path, revision: str | None = None) -> Release:
             "pass a local release folder or a Hub id such as Cloudflare/clef-flash."
         )
     kind, architecture = validate_layout(path)
+    from clef_model.outputs import check_cache_outside
+
+    check_cache_outside(path)
     return Release(path=path, ref=text, revision=resolved_revision, kind=kind, architecture=architecture)

@@ -193,3 +193,36 @@ def test_a_bad_stats_cache_limit_is_refused(monkeypatch):
             stats_cache_max_bytes()
     monkeypatch.setenv("BLAZE_STATS_CACHE_MAX_GB", "0.5")
     assert stats_cache_max_bytes() == 0.5e9
+
+
+@pytest.mark.parametrize("where", ["base", "inside"])
+def test_a_cache_inside_the_base_is_refused_and_the_base_not_written(base_and_patch, tmp_path, monkeypatch, where):
+    """BLAZE_CACHE set to the base (or a folder in it) would make apply write its hash cache into the base."""
+    base, delta = base_and_patch
+    before = _tree(base)
+    monkeypatch.setenv("BLAZE_CACHE", str(base if where == "base" else base / "cache"))
+    result = _apply(str(delta), "--base", str(base), "--out", str(tmp_path / "v"))
+    assert result.exit_code == 2, result.output
+    assert "BLAZE_CACHE" in result.output and "Traceback" not in result.output
+    assert _tree(base) == before and not (base / "cache").exists()
+    assert not (tmp_path / "v").exists()
+    monkeypatch.setenv("BLAZE_CACHE", str(tmp_path / "cache"))  # a cache beside the base is fine
+    assert _apply(str(delta), "--base", str(base), "--out", str(tmp_path / "v")).exit_code == 0
+    assert _tree(base) == before
+
+
+def test_a_broad_cache_root_does_not_make_every_folder_blaze_s(tmp_path, monkeypatch):
+    """With BLAZE_CACHE at a home-like folder, `--force` may replace only blaze's own outputs in the cache
+    (converted models, fixtures), not the user's folders under it."""
+    monkeypatch.setenv("BLAZE_CACHE", str(tmp_path))
+    mine = tmp_path / "Documents"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert not written_by_blaze(mine)
+    result = CliRunner().invoke(main, ["fixture", "--preset", "tiny", str(mine), "--force"])
+    assert result.exit_code == 2, result.output
+    assert (mine / "notes.txt").read_text() == "mine"
+    converted = tmp_path / "embedded" / "some-model"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    assert written_by_blaze(converted)
