@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -174,7 +175,20 @@ def read_header(path: Path) -> tuple[dict, int]:
         why = _header_entry_problem(name, entry, data_size)
         if why is not None:
             raise corrupt(why)
+    why = _overlap_problem(header)
+    if why is not None:
+        raise corrupt(why)
     return header, data_start
+
+
+def _overlap_problem(header: dict) -> str | None:
+    """Two tensors whose data ranges overlap (the safetensors format forbids it: one byte would be two tensors')."""
+    spans = sorted((entry["data_offsets"][0], entry["data_offsets"][1], name) for name, entry in header.items()
+                   if name != "__metadata__" and entry["data_offsets"][1] > entry["data_offsets"][0])
+    for (_b0, end0, first), (begin1, _e1, second) in itertools.pairwise(spans):  # sorted: neighbours suffice
+        if begin1 < end0:
+            return f"tensors {first!r} and {second!r} share bytes (data offsets overlap)"
+    return None
 
 
 def _header_entry_problem(name: str, entry: Any, data_size: int) -> str | None:

@@ -143,6 +143,8 @@ def test_truncated_shard_is_a_clear_error(tmp_path):
         (struct.pack("<Q", 56) + b'{"t":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}'.ljust(56) + b"x", "unknown dtype"),
         (struct.pack("<Q", 56) + b'{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'.ljust(56) + b"x" * 4,
          "4 bytes for F32"),
+        (struct.pack("<Q", 112) + b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+         b'"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}'.ljust(112) + b"x" * 8, "share bytes"),
     ],
 )
 def test_bad_header_is_a_clear_error(tmp_path, payload, match):
