@@ -37,6 +37,7 @@ from surgery.statistics import (
     padded_batch,
     preserve_sequences,
     save_payload,
+    width_bucket,
 )
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class _Hooks:
 
 def _batch(runs: list[_Run], pad: int, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`surgery.statistics.padded_batch` on ``device``, the flat read positions as a tensor."""
-    ids, mask, flat = padded_batch(runs, pad)
+    ids, mask, flat = padded_batch(runs, pad, width_bucket(device))
     return ids.to(device), mask.to(device), torch.tensor(flat, dtype=torch.long, device=device)
 
 

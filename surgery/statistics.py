@@ -352,6 +352,14 @@ class _Collector:
 _WIDTH_BUCKET = 64
 
 
+def width_bucket(device: torch.device | str) -> int:
+    """The multiple a statistics batch's padded width is rounded up to: 64 on CUDA, where shape-specialised
+    kernels (fla's Triton kernels compile/autotune per sequence length) then see a few shapes instead of one
+    per batch; 1 elsewhere, where each padded token is only compute (on SmolLM2's verbosity statistics the
+    64-token bucket ran 1.30× the tokens of exact widths: BENCHMARKS "2 CPU cores, round 7")."""
+    return _WIDTH_BUCKET if torch.device(device).type == "cuda" else 1
+
+
 class _Positions(Protocol):
     ids: list[int]
     positions: list[int]
@@ -369,14 +377,14 @@ def pad_id(runtime: Runtime) -> int:
     return 0 if pad is None else int(pad)
 
 
-def padded_batch(batch: Sequence[_Positions], pad: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def padded_batch(batch: Sequence[_Positions], pad: int,
+                 bucket: int = _WIDTH_BUCKET) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Right-padded ids and mask (CPU) of ``batch`` and the flat (row × width + position) indices of each
     sequence's kept positions, in order.
 
-    The padded width is rounded up to a multiple of 64: shape-specialised kernels (fla's Triton kernels on the
-    GPU compile/autotune per sequence length) then see a few shapes instead of one per batch. Right padding
-    cannot change the kept positions: every mixer is causal."""
-    width = -(-max(len(s.ids) for s in batch) // _WIDTH_BUCKET) * _WIDTH_BUCKET
+    The padded width is rounded up to a multiple of ``bucket`` (:func:`width_bucket` of the device). Right
+    padding cannot change the kept positions: every mixer is causal."""
+    width = -(-max(len(s.ids) for s in batch) // bucket) * bucket
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     flat: list[int] = []
@@ -411,7 +419,7 @@ def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, 
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             batch = [sequences[i] for i in order[start : start + batch_size]]
-            ids, mask, flat = padded_batch(batch, pad)
+            ids, mask, flat = padded_batch(batch, pad, width_bucket(runtime.device))
             pair = [seq.pair for seq in batch for _ in seq.positions]
             side = [seq.side for seq in batch for _ in seq.positions]
             dev = collector.device

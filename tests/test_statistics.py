@@ -222,3 +222,26 @@ def test_a_pass_stops_after_the_last_layer_read_with_the_same_statistics(mini):
         assert torch.equal(short.wanted_means[layer], whole.wanted_means[layer])
     for name in ("behaviour_moment", "preserve_moment", "wanted_means", "unwanted_means"):
         assert torch.equal(getattr(short.keys[target], name), getattr(whole.keys[target], name))
+
+
+def test_the_padded_width_bucket_changes_no_statistic(mini, monkeypatch):
+    """CPU batches pad to their longest sequence, CUDA batches to a multiple of 64; either way the positions read,
+    and so every mean and moment, are the same (right padding after causal mixers)."""
+    import surgery.statistics as st
+    from surgery.statistics import padded_batch, width_bucket
+
+    assert width_bucket("cpu") == 1 and width_bucket("cuda") == 64 and width_bucket("cuda:1") == 64
+    seqs = contrast_sequences(mini, PAIRS, 512, "response")
+    ids, mask, _flat = padded_batch(seqs, 0, width_bucket("cpu"))
+    assert ids.shape[1] == max(len(s.ids) for s in seqs) and ids.shape[1] % 64 != 0
+    assert padded_batch(seqs, 0)[0].shape[1] % 64 == 0
+    target = "model.layers.1.mlp.down_proj"
+    preserve = PreserveSet(texts=["keep this", "and this longer neutral text"])
+    exact = collect(mini, PAIRS, preserve, [target], batch_size=2)
+    monkeypatch.setattr(st, "width_bucket", lambda _device: 64)
+    bucketed = collect(mini, PAIRS, preserve, [target], batch_size=2)
+    for layer, mean in exact.wanted_means.items():
+        torch.testing.assert_close(mean, bucketed.wanted_means[layer], rtol=1e-5, atol=1e-7)
+    for name in ("behaviour_moment", "preserve_moment", "pair_means"):
+        torch.testing.assert_close(getattr(exact.keys[target], name), getattr(bucketed.keys[target], name),
+                                   rtol=1e-5, atol=1e-7)
