@@ -104,16 +104,18 @@ def check_separate(out: Path, other: Path, what: str) -> None:
 def check_cache_outside(base: Path) -> None:
     """Refuse a base that holds blaze's cache (``BLAZE_CACHE`` set to the base or a folder inside it): blaze writes
     file hashes, statistics and answers there, which would change the base."""
-    from clef_model.env import cache_root
+    from clef_model.env import CACHE, cache_root
 
     cache, base_real = cache_root().resolve(), Path(base).resolve()
     if cache == base_real or base_real in cache.parents:
-        raise BlazeError(f"BLAZE_CACHE ({cache_root()}) lies inside the base {base}; blaze writes its caches there, "
+        where = CACHE if os.environ.get(CACHE) else "the default cache (~/.cache/blaze: HOME is in it)"
+        raise BlazeError(f"{where} ({cache_root()}) lies inside the base {base}; blaze writes its caches there, "
                          "which would change the base. Point BLAZE_CACHE at a folder outside it.")
 
 
 CACHE_OUTPUTS = ("embedded", "fixtures")
-"""The folders under the cache root that hold outputs blaze itself wrote (converted models, built fixtures)."""
+"""The folders under the cache root whose direct subfolders are outputs blaze itself wrote (converted models,
+built fixtures)."""
 
 
 def written_by_blaze(folder: Path) -> bool:
@@ -131,7 +133,7 @@ def written_by_blaze(folder: Path) -> bool:
     from clef_model.env import cache_root
 
     # only blaze's own output folders in the cache: a BLAZE_CACHE of `~` must not make `--force` replace ~/anything
-    return any((cache_root() / name).absolute() in folder.parents for name in CACHE_OUTPUTS)
+    return any(folder.parent == (cache_root() / name).absolute() for name in CACHE_OUTPUTS)
 
 
 def remove_stale_temporaries(parent: Path) -> list[Path]:

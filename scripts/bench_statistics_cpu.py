@@ -45,25 +45,28 @@ def main() -> None:
     preserve = preserve_set(spec, runtime, questions=settings.questions == "preserve")
     print(f"# {args.base}, {len(pairs)} pairs ({settings.positions}), {len(plan.targets)} targets, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    seqs = st.contrast_sequences(runtime, pairs, 1024, settings.positions) + st.preserve_sequences(runtime, preserve)
-    lengths = sorted(len(s.ids) for s in seqs)
+    sets = [sorted(len(s.ids) for s in seqs) for seqs in  # each set is sorted and batched on its own, as collect does
+            (st.contrast_sequences(runtime, pairs, 1024, settings.positions), st.preserve_sequences(runtime, preserve))]
+    read = sum(sum(lengths) for lengths in sets)
     for bucket in (64, 1):
         padded = sum(-(-max(lengths[i:i + 8]) // bucket) * bucket * len(lengths[i:i + 8])
-                     for i in range(0, len(lengths), 8))
-        print(f"bucket {bucket:>2}: {padded} padded tokens for {sum(lengths)} read ({padded / sum(lengths):.2f}×)")
+                     for lengths in sets for i in range(0, len(lengths), 8))
+        print(f"bucket {bucket:>2}: {padded} padded tokens for {read} read ({padded / read:.2f}×)")
     original = st.width_bucket
     times: dict[int, list[float]] = {64: [], 1: []}
     results = {}
-    for _ in range(args.repeats):
-        for bucket in (64, 1):
-            st.width_bucket = lambda _device, b=bucket: b  # type: ignore[assignment]
-            start = time.perf_counter()
-            results[bucket] = collect_statistics(runtime, pairs, preserve, settings.layers, settings.kinds,
-                                                 rank=settings.rank, cache=None, progress=False,
-                                                 positions=settings.positions)
-            times[bucket].append(time.perf_counter() - start)
-            print(f"bucket {bucket:>2}: {times[bucket][-1]:.1f} s")
-    st.width_bucket = original
+    try:
+        for _ in range(args.repeats):
+            for bucket in (64, 1):
+                st.width_bucket = lambda _device, b=bucket: b  # type: ignore[assignment]
+                start = time.perf_counter()
+                results[bucket] = collect_statistics(runtime, pairs, preserve, settings.layers, settings.kinds,
+                                                     rank=settings.rank, cache=None, progress=False,
+                                                     positions=settings.positions)
+                times[bucket].append(time.perf_counter() - start)
+                print(f"bucket {bucket:>2}: {times[bucket][-1]:.1f} s")
+    finally:
+        st.width_bucket = original
     worst = 0.0
     for name, a in results[64].keys.items():
         b = results[1].keys[name]

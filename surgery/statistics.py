@@ -377,8 +377,7 @@ def pad_id(runtime: Runtime) -> int:
     return 0 if pad is None else int(pad)
 
 
-def padded_batch(batch: Sequence[_Positions], pad: int,
-                 bucket: int = _WIDTH_BUCKET) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def padded_batch(batch: Sequence[_Positions], pad: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Right-padded ids and mask (CPU) of ``batch`` and the flat (row × width + position) indices of each
     sequence's kept positions, in order.
 

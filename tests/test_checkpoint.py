@@ -155,6 +155,14 @@ def test_bad_header_is_a_clear_error(tmp_path, payload, match):
         CheckpointReader(tmp_path)
 
 
+def test_zero_size_tensors_may_share_an_offset(tmp_path):
+    """Only tensors with bytes can overlap: an empty tensor at a neighbour's offset is a valid file."""
+    save_file({"empty": torch.zeros(0, 3), "a": torch.ones(2), "b": torch.zeros(0)}, tmp_path / "model.safetensors")
+    header, _start = read_header(tmp_path / "model.safetensors")
+    assert header["empty"]["data_offsets"][0] == header["empty"]["data_offsets"][1]
+    assert CheckpointReader(tmp_path).array("a").tolist() == [1.0, 1.0]
+
+
 def test_index_naming_missing_shard_or_tensor(tmp_path):
     _write_shard(tmp_path / "model-00001-of-00001.safetensors", {"a": torch.zeros(2)})
     (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))

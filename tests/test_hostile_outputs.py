@@ -170,6 +170,18 @@ def test_edit_checks_its_adapter_folder_before_any_compute(tiny_release, tmp_pat
         check_outputs(inside, tmp_path / "v", base=Path(tiny_release))   # … but not when it is the base
 
 
+def test_edit_refuses_a_statistics_folder_inside_the_base(base_and_patch, tmp_path):
+    """`--cache-dir BASE/stats` would write the statistics files into the base."""
+    base, _ = base_and_patch
+    before = _tree(base)
+    result = CliRunner().invoke(main, ["edit", "--base", str(base), "--behavior", "verbosity", "--out",
+                                       str(tmp_path / "v"), "--strength", "0.1", "--no-canary", "--device", "cpu",
+                                       "--cache-dir", str(base / "stats")])
+    assert result.exit_code == 2, result.output
+    assert "overlaps the base" in result.output and "Traceback" not in result.output
+    assert _tree(base) == before and not (tmp_path / "v").exists()
+
+
 @pytest.mark.parametrize("shard", ["../elsewhere/model.safetensors", "/etc/passwd", "a/../../x.safetensors"])
 def test_an_index_naming_a_shard_outside_the_release_is_refused(base_and_patch, shard):
     from clef_model.checkpoint import CheckpointReader
@@ -200,6 +212,7 @@ def test_a_cache_inside_the_base_is_refused_and_the_base_not_written(base_and_pa
     """BLAZE_CACHE set to the base (or a folder in it) would make apply write its hash cache into the base."""
     base, delta = base_and_patch
     before = _tree(base)
+    monkeypatch.setenv("BLAZE_HASH_CACHE", "1")  # the suite turns the hash cache off; it is what would land there
     monkeypatch.setenv("BLAZE_CACHE", str(base if where == "base" else base / "cache"))
     result = _apply(str(delta), "--base", str(base), "--out", str(tmp_path / "v"))
     assert result.exit_code == 2, result.output

@@ -234,10 +234,21 @@ def test_the_padded_width_bucket_changes_no_statistic(mini, monkeypatch):
     seqs = contrast_sequences(mini, PAIRS, 512, "response")
     ids, mask, _flat = padded_batch(seqs, 0, width_bucket("cpu"))
     assert ids.shape[1] == max(len(s.ids) for s in seqs) and ids.shape[1] % 64 != 0
-    assert padded_batch(seqs, 0)[0].shape[1] % 64 == 0
+    assert padded_batch(seqs, 0, width_bucket("cuda"))[0].shape[1] % 64 == 0
     target = "model.layers.1.mlp.down_proj"
     preserve = PreserveSet(texts=["keep this", "and this longer neutral text"])
+    widths: list[int] = []
+    real_padded_batch = st.padded_batch
+
+    def watched(batch, pad, bucket):
+        widths.append(max(len(s.ids) for s in batch))
+        out = real_padded_batch(batch, pad, bucket)
+        widths[-1] = out[0].shape[1] - widths[-1]  # the padding beyond the longest sequence
+        return out
+
+    monkeypatch.setattr(st, "padded_batch", watched)
     exact = collect(mini, PAIRS, preserve, [target], batch_size=2)
+    assert widths and set(widths) == {0}  # the CPU run pads to each batch's longest sequence
     monkeypatch.setattr(st, "width_bucket", lambda _device: 64)
     bucketed = collect(mini, PAIRS, preserve, [target], batch_size=2)
     for layer, mean in exact.wanted_means.items():

@@ -419,9 +419,9 @@ def check_outputs(opts: BuildOptions, out: Path, base: Path | None = None) -> No
             check_separate(adapter, out, "the variant output")  # first: check_output may create its parent
             check_output(adapter, opts.force)
         return
-    for path in (out, adapter):
+    for path in (out, adapter, opts.cache_dir):  # --cache-dir: the statistics files would land in the base
         if path is not None:
-            check_separate(path, base, "the base")
+            check_separate(Path(path), base, "the base")
 
 
 def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> BuildResult:
