@@ -174,3 +174,16 @@ def test_questions_preserve_adds_the_training_questions_but_no_validation_or_hel
     assert settings.questions == "preserve"
     with pytest.raises(BlazeError, match="questions: must be one of edit, preserve"):
         edit_settings(spec, BuildOptions(behavior="verbosity", out=Path("unused"), questions="maybe"))
+
+
+def test_a_chosen_point_without_effect_is_warned_about() -> None:
+    from variants.build import _warn_if_no_effect
+    from variants.search import Point, Row
+
+    point = Point(strength=0.1, method="steer", lam=1.0, layers="0.3-0.8", kinds="writers")
+    said: list[str] = []
+    _warn_if_no_effect(Row(point=point, passed=True, failed=(), values={"effect": 0.0}), 0.0, said.append)
+    assert len(said) == 1 and "no effect" in said[0] and "+0.000" in said[0]
+    for values in ({"effect": 0.038}, {}):  # an effect, or a gate that measures none: nothing to say
+        _warn_if_no_effect(Row(point=point, passed=True, failed=(), values=values), 0.0, said.append)
+    assert len(said) == 1

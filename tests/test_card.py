@@ -259,3 +259,34 @@ def test_search_table_and_passes_in_the_card(variant: Path):
     assert "search of 2 points (3 of 8 generation passes; bracketed)" in card
     assert "| 0.4 (chosen) | pass | steer | 1 | strength | pass | 0.3 |" in card
     assert "| 0.8 | fail: quality | steer | 1 | strength | damage: quality | 0.5 |" in card
+
+
+def test_a_variant_with_no_measured_effect_is_called_so(variant: Path, tmp_path: Path):
+    """A gate with a minimum effect of 0 (sycophancy's) passes a variant that answers as its base does; the card
+    says that plainly instead of letting "passed" suggest a working edit."""
+    import shutil
+
+    from canaries.gate import evaluate
+    from canaries.run import CanarySuite, build_report
+    from clef_model.files import CANARY_JSON
+    from variants.card import no_measured_effect
+
+    assert no_measured_effect(json.loads((variant / CANARY_JSON).read_text())) is None  # it cuts: an effect
+    gens = [_generation(VANILLA_ANSWER, 20), _generation("The capital of France is Paris, a large city.", 12)]
+    damage = {"continuations": ["Hello there."], "text_sequences": [[1, 2, 3, 4]], "text_nll": [3.0]}
+    suite = CanarySuite(freeform=[{"prompt": "What is the speed of light?", "keywords": ["299"], "source": "general"},
+                                  {"prompt": "What is the capital of France?", "keywords": ["Paris"],
+                                   "source": "behavior"}],
+                        decisions=None, neutral_prompts=["Say hello."], neutral_texts=["x"])
+    thresholds = {"effect": "length_cut", "min_effect": 0.0}
+    same = build_report(suite, {"generations": gens, "damage": damage},
+                        {"generations": list(gens), "damage": {"kl": [[0.0, 0.0]], "text_nll": [3.0]}},
+                        thresholds=thresholds, quality="keywords", integrity=None, settings={},
+                        labels=("base", "variant"))
+    same["gate"] = evaluate(same, thresholds)
+    assert same["gate"]["passed"] and no_measured_effect(same) == 0.0
+    copy = tmp_path / "v"
+    shutil.copytree(variant, copy)
+    (copy / CANARY_JSON).write_text(json.dumps(same))
+    assert "No measured effect" in render_card(copy, "you/x")
+    assert "No measured effect" not in render_card(variant, "you/x")

@@ -424,6 +424,14 @@ def check_outputs(opts: BuildOptions, out: Path, base: Path | None = None) -> No
             check_separate(Path(path), base, "the base")
 
 
+def _warn_if_no_effect(chosen: Row, min_effect: float, echo: Callable[[str], None]) -> None:
+    """Say so when the search chose a point without any effect (a gate whose minimum effect is 0 passes one)."""
+    if chosen.effect is not None and chosen.effect <= 0:
+        echo(f"warning: the chosen point shows no effect on the validation prompts ({chosen.effect:+.3f}; the "
+             f"gate's minimum is {min_effect:g}): the variant behaves like its base there. Read the held-out "
+             "canary before publishing it.")
+
+
 def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> BuildResult:
     """Run a whole ``blaze edit``; see the module docstring."""
     from clef_model.release import DEFAULT_BASE
@@ -540,6 +548,7 @@ def build_variant(opts: BuildOptions, echo: Callable[[str], None] = print) -> Bu
         start = found.chosen.point
         stats = statistics(start.layers, start.kinds, start.method)
         echo(f"search: chose {start.label()} after {found.passes} of {s.budget} passes ({found.stopped})")
+        _warn_if_no_effect(found.chosen, thresholds.min_effect, echo)
     strength = start.strength
     sweep = [] if found is None else [r.to_dict() for r in found.rows]
     choice = {"strength": strength, "strength_mode": "auto" if found else "fixed", "sweep": sweep,

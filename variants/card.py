@@ -169,6 +169,19 @@ def _front_matter(meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def no_measured_effect(report: Mapping[str, Any] | None) -> float | None:
+    """The gate's effect value when it shows no effect at all (≤ 0), else None. A gate whose minimum effect is 0
+    (sycophancy's) passes such a variant: the card and the console say so rather than let "passed" suggest a
+    working edit."""
+    checks = lookup(report, "gate.checks", default=None)
+    for check in checks if isinstance(checks, list) else []:
+        if isinstance(check, Mapping) and check.get("name") == "effect":
+            value = check.get("value")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+                return float(value)
+    return None
+
+
 def _shift_section(report: dict[str, Any] | None) -> list[str]:
     out = ["## Observed behaviour shift", ""]
     freeform = lookup(report, "freeform")
@@ -204,6 +217,10 @@ def _shift_section(report: dict[str, Any] | None) -> list[str]:
         rate = summary.get(flag) or {}
         if "variant" in rate:
             out.append(f"- {label.capitalize()}: vanilla {rate.get('base', 0):.0%}, variant {rate['variant']:.0%}")
+    effect = no_measured_effect(report)
+    if effect is not None:
+        out.append(f"- **No measured effect**: on the held-out prompts this variant does the behaviour no more than "
+                   f"its base (the gate's effect is {effect:+.3f}). Treat it as the base, not as a variant that works.")
     damage = lookup(report, "damage")
     first_kl = lookup(damage, "summary.first_token_kl.mean")  # canaries.damage's summary
     if isinstance(first_kl, (int, float)):
