@@ -32,7 +32,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
@@ -99,6 +99,22 @@ def check_separate(out: Path, other: Path, what: str) -> None:
     out_real, other_real = Path(out).resolve(), Path(other).resolve()
     if out_real == other_real or out_real in other_real.parents or other_real in out_real.parents:
         raise BlazeError(f"the output {out} overlaps {what} {other}; write it to a separate folder.")
+
+
+def check_output_folders(out: Path, others: Sequence[Path], force: bool) -> None:
+    """Before any work: `out` and the further output folders a command writes (``--export-lora``) are each
+    writable and new or blaze's to replace (:func:`check_output`), and none of the others overlaps `out`."""
+    check_output(out, force)
+    for other in others:
+        check_separate(other, out, "the variant output")  # first: check_output may create its parent folder
+        check_output(other, force)
+
+
+def check_apart_from_base(paths: Sequence[Path | None], base: Path) -> None:
+    """Once the base is known: no output (or other folder blaze writes) is the base, lies in it or holds it."""
+    for path in paths:
+        if path is not None:
+            check_separate(Path(path), base, "the base")
 
 
 def check_cache_outside(base: Path) -> None:

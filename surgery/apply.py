@@ -24,7 +24,7 @@ import numpy as np
 
 from clef_model.checkpoint import sha256_file
 from clef_model.errors import BlazeError
-from clef_model.outputs import check_output, check_separate
+from clef_model.outputs import check_apart_from_base, check_output_folders
 from clef_model.release import DEFAULT_BASE, Release, resolve_release
 from surgery.delta import BaseMismatchError, PatchArrays, check_identity, patch_path, trusted_tensor_sha256
 from surgery.manifest import read_manifest
@@ -81,10 +81,7 @@ def apply_patch(patch: Path, out: Path, *, base: str | None = None, revision: st
     `also_writes` are further output folders the caller writes afterwards (``--export-lora``): each is checked
     as `out` is, and against the base and `out`, before anything is written.
     """
-    check_output(out, force)
-    for other in also_writes:
-        check_separate(other, out, "the variant output")  # first: check_output may create its parent folder
-        check_output(other, force)
+    check_output_folders(out, also_writes, force)
     patch_file = patch_path(patch)
     loaded = PatchArrays.load(patch_file)
     problems = patch_problems(loaded)
@@ -94,8 +91,7 @@ def apply_patch(patch: Path, out: Path, *, base: str | None = None, revision: st
     recorded = loaded.base_identity or {}
     ref = base or recorded.get("ref") or DEFAULT_BASE
     release = resolve_release(ref, revision if revision is not None else (None if base else recorded.get("revision")))
-    for path in (out, *also_writes):
-        check_separate(path, Path(release.path), "the base")
+    check_apart_from_base((out, *also_writes), Path(release.path))
     warnings: list[str] = []
 
     def warning(message: str) -> None:

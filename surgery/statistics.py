@@ -415,10 +415,11 @@ def _run(runtime, collector: _Collector, sequences: list[_Sequence], mode: str, 
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
     model = runtime.text_model()
     bar = tqdm(total=len(sequences), desc=desc, unit="seq", disable=not progress or _quiet())
+    bucket = width_bucket(runtime.device)
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             batch = [sequences[i] for i in order[start : start + batch_size]]
-            ids, mask, flat = padded_batch(batch, pad, width_bucket(runtime.device))
+            ids, mask, flat = padded_batch(batch, pad, bucket)
             pair = [seq.pair for seq in batch for _ in seq.positions]
             side = [seq.side for seq in batch for _ in seq.positions]
             dev = collector.device

@@ -201,10 +201,6 @@ def _side_files(base: Release, reader: CheckpointReader) -> list[str]:
     return sorted(n for n in names if n not in weights and n not in _BLAZE_FILES)
 
 
-def _check_paths(base_path: Path, out: Path) -> None:
-    check_separate(out, base_path, "the base")
-
-
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
@@ -529,7 +525,7 @@ def write_variant(
     patch = as_arrays(patch)
     base_path = Path(base.path)
     out = Path(out)
-    _check_paths(base_path, out)
+    check_separate(out, base_path, "the base")
     reader = CheckpointReader(base_path)
     patch.check_fits(reader)
     side = _side_files(base, reader)

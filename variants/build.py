@@ -410,18 +410,13 @@ def check_outputs(opts: BuildOptions, out: Path, base: Path | None = None) -> No
     """Refuse, before any compute, an output (``--out``, ``--export-lora``) that cannot be written or that blaze
     must not replace, an adapter folder that overlaps the variant's, and (once ``base`` is known) either one
     overlapping the base: writing there, or replacing it with ``--force``, would change or delete the base."""
-    from clef_model.outputs import check_output, check_separate
+    from clef_model.outputs import check_apart_from_base, check_output_folders
 
     adapter = Path(opts.export_lora) if opts.export_lora else None
     if base is None:
-        check_output(out, opts.force)
-        if adapter is not None:
-            check_separate(adapter, out, "the variant output")  # first: check_output may create its parent
-            check_output(adapter, opts.force)
-        return
-    for path in (out, adapter, opts.cache_dir):  # --cache-dir: the statistics files would land in the base
-        if path is not None:
-            check_separate(Path(path), base, "the base")
+        check_output_folders(out, [adapter] if adapter is not None else [], opts.force)
+    else:  # --cache-dir too: the statistics files would land in the base
+        check_apart_from_base((out, adapter, opts.cache_dir), base)
 
 
 def _warn_if_no_effect(chosen: Row, min_effect: float, echo: Callable[[str], None]) -> None:
