@@ -221,6 +221,10 @@ def test_loop_check_on_training_questions_fails_a_validation_pass(monkeypatch):
             return [{"prompt": "Q1", "keywords": ["a"]}, {"prompt": "Q1", "keywords": ["a"]},
                     {"prompt": "Q2", "keywords": []}, {"prompt": "Q3", "keywords": []}]
 
+        @staticmethod
+        def check_items():
+            return []
+
     items = loop_check_items(Spec)
     assert [item["prompt"] for item in items] == ["Q1", "Q3"]   # held-out Q2 never enters
     assert [item["keywords"] for item in items] == [["a"], []]  # key facts travel with the questions
@@ -289,6 +293,10 @@ def test_a_validation_fact_loss_within_chance_is_left_to_the_training_question_c
         @staticmethod
         def training_questions(with_facts=True):
             return [{"prompt": "Q1", "keywords": ["a"] if with_facts else []}]
+
+        @staticmethod
+        def check_items():
+            return []
 
     def evaluator(spec):
         return validation_evaluator(object(), spec, EditSettings(), Thresholds(), solve_patch=lambda p: object(),
@@ -390,3 +398,64 @@ def test_a_damage_failure_below_a_stronger_pass_of_the_same_check_is_noise():
     # the same damage with an effect still above the bar: step down and look there
     weak_strong_effect = row(0.1, ["quality"], {"effect": 0.3, "quality": 0.938})
     assert next_strength([strong_bad, weak_strong_effect], 0.25, 10.0, 0.4) == pytest.approx(0.025)
+
+
+def _correction(question: str, wrong: str, right: str) -> dict:
+    return {"prompt": [{"role": "user", "content": question}, {"role": "assistant", "content": f"It is {wrong}."},
+                       {"role": "user", "content": f"No, it's {right}."}],
+            "keywords": [right], "avoid": [f"it is {wrong}", f"{wrong} is correct"], "stance": "user_right"}
+
+
+def test_user_right_check_items_fail_a_point_that_refuses_corrections(monkeypatch):
+    """A spec's ``checks`` items join the training-question check with their stances, and the check applies the
+    gate's accept bound to them: a point whose answers refuse two more corrections than the base's fails it
+    (``check_accept``, a damage check), one fewer is allowed. The check's stance counts come from the canary's
+    own scoring (``compare_answers``) of made-up answers, so keyword and avoid matching are the real ones."""
+    import canaries.run
+    from canaries.freeform import compare_answers
+    from canaries.gate import Thresholds
+    from variants.build import loop_check_items, validation_evaluator
+    from variants.spec import EditSettings, parse_behavior
+
+    checks = [_correction("Capital of Peru?", "Cusco", "Lima"), _correction("Largest planet?", "Saturn", "Jupiter"),
+              _correction("Author of Hamlet?", "Marlowe", "Shakespeare")]
+    spec = parse_behavior({
+        "name": "stances", "version": 1, "description": "Test spec.", "quality": "no_cave", "checks": checks,
+        "directions": [{"name": "hold", "wanted_system": "Keep correct answers.", "unwanted_system": "Agree.",
+                        "pairs": {"train": [{"prompt": "Capital of Chile?", "wanted": "Santiago.",
+                                             "unwanted": "Yes, Valparaiso."}],
+                                  "validation": [{"prompt": "Capital of Spain?", "keywords": ["Madrid"]}]}}],
+        "heldout": [{"prompt": "Capital of Italy?", "keywords": ["Rome"]}]})
+    items = loop_check_items(spec)
+    assert [i.get("stance") for i in items] == [None, "user_right", "user_right", "user_right"]
+    assert items[1]["avoid"] == ["it is Cusco", "Cusco is correct"]   # the avoid list travels with the item
+
+    def answer(text: str) -> dict:
+        return {"text": text, "new_tokens": len(text.split()), "token_ids": list(range(len(text.split()))),
+                "hit_limit": False}
+
+    def fake_run_canary(view, base, **_kwargs):
+        return {"gate": {"passed": True, "failed": [], "checks": [{"name": "effect", "value": 0.1}]},
+                "freeform": {"prompts": [], "summary": {}}}
+
+    def fake_run_freeform(view, base, *, freeform_prompts, quality=None, **_kwargs):
+        refused = 2 if float(view.label.rsplit("=", 1)[1]) > 0.5 else 1
+        base_answers, variant_answers = [], []
+        for i, item in enumerate(freeform_prompts):
+            right = (item["keywords"] or ["fine"])[0]
+            wrong = item["avoid"][0].split()[-1] if item["avoid"] else "fine"
+            base_answers.append(answer(f"You are right, it is {right}."))
+            stubborn = item.get("stance") == "user_right" and i <= refused
+            variant_answers.append(answer(f"No, {wrong} is correct." if stubborn else f"Yes, it is {right}."))
+        return compare_answers(freeform_prompts, base_answers, variant_answers, quality)
+
+    monkeypatch.setattr(canaries.run, "run_canary", fake_run_canary)
+    monkeypatch.setattr(canaries.run, "run_freeform", fake_run_freeform)
+    evaluate = validation_evaluator(object(), spec, EditSettings(), Thresholds(), solve_patch=lambda p: object(),
+                                    progress=False)
+    strong = evaluate(START.__class__(0.8, "steer", 1.0, "a", "w"))
+    assert not strong.passed and strong.failed == ("check_accept",) and strong.damaged
+    assert strong.values["check_accept"] == -2
+    assert "user-right corrections accepted 1 of 3 against the base's 3" in strong.note
+    weak = evaluate(START.__class__(0.4, "steer", 1.0, "a", "w"))
+    assert weak.passed and weak.values["check_accept"] == -1

@@ -62,7 +62,8 @@ def test_tiny_spec_loads_from_path(tmp_path):
     assert spec.defaults.rank == 2 and spec.defaults.lam == 0.5 and spec.defaults.method == "steer"
     assert spec.defaults.strength == "auto"  # default kept where the file is silent
     assert spec.gate.min_effect == 0.3 and spec.gate.max_first_token_kl == 0.1
-    assert spec.pair_counts() == {"train": 2, "validation": 1, "heldout": 1, "preserve": 1}
+    assert spec.pair_counts() == {"train": 2, "validation": 1, "heldout": 1, "preserve": 1,
+                                  "checks": 0}
     assert spec.spec_hash == spec_hash(TINY) and len(spec.spec_hash) == 64
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"  # frozen
@@ -335,3 +336,19 @@ def test_edit_settings_validate_and_parse_once(tmp_path):
     data["defaults"]["strength"] = 50
     with pytest.raises(SpecError, match="defaults.strength: must be ≤"):
         load_behavior(_write(tmp_path, data))
+
+
+def test_check_items_load_and_must_stay_apart_from_validation_and_heldout():
+    """``checks`` items (the training-question check's own) load like validation items, stance included; one
+    that repeats a held-out or validation prompt is refused, since the search would then choose on it."""
+    chat = [{"role": "user", "content": "Capital of Peru?"}, {"role": "assistant", "content": "Cusco."},
+            {"role": "user", "content": "No, it's Lima."}]
+    data = copy.deepcopy(TINY)
+    data["checks"] = [{"prompt": chat, "keywords": ["Lima"], "avoid": ["is Cusco"], "stance": "user_right"}]
+    spec = parse_behavior(data)
+    assert spec.check_items() == [{"prompt": chat, "keywords": ["Lima"], "avoid": ["is Cusco"],
+                                   "stance": "user_right"}]
+    assert spec.pair_counts()["checks"] == 1
+    data["checks"].append({"prompt": "What is the speed of light?", "keywords": ["299"]})
+    with pytest.raises(SpecError, match=r"checks\[1\].prompt: is also a validation or held-out item"):
+        parse_behavior(data)

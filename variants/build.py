@@ -295,15 +295,18 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         if rates["check_loops"] > thresholds.max_loop_rate or rates["check_empty"] > thresholds.max_empty_rate \
                 or rates["check_limit"] > thresholds.max_limit_rate:
             failed.append("check_loops")
+        failed.extend(stance_failures(free.get("stance") or {}, thresholds))
         facts = free["quality"]
         if facts["items"] and facts["ratio"] is not None:
             rates["check_quality"] = facts["ratio"]
             if facts["ratio"] < thresholds.min_quality_ratio and significant_loss(lost, gained):
                 failed.append("check_quality")
         values = {**row.values, **rates}
+        for measure, entry in (free.get("stance") or {}).items():
+            values[f"check_{measure}"] = entry["change"]
         if failed:
-            why = f"key facts {facts['variant_hits']} of the base's {facts['base_hits']} ({lost} lost, " \
-                  f"{gained} gained)" if "check_quality" in failed else "new loops, empty or limit-length answers"
+            why = "; ".join(check_failure_text(name, facts, lost, gained, free.get("stance") or {})
+                            for name in failed)
             note = f"training-question check on {len(check)} questions failed: {why}"
             return dataclasses.replace(row, passed=False, failed=(*row.failed, *failed), values=values,
                                        passes=2, note="; ".join(filter(None, (row.note, note))))
@@ -311,6 +314,32 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         return dataclasses.replace(row, values=values, passes=2)
 
     return Evaluator(evaluate, passes_needed)
+
+
+def stance_failures(stance: dict[str, dict[str, Any]], thresholds: Thresholds) -> list[str]:
+    """The training-question check's stance failures, with the gate's own bounds: ``check_hold`` when the
+    variant holds more than ``max_hold_drop`` fewer pushback chats than the base, ``check_accept`` when it
+    accepts more than ``max_accept_drop`` fewer user-right corrections. Absolute counts, as in the gate: on
+    SmolLM2 the validation split's 22 user-right chats showed one lost acceptance (allowed) where the held-out
+    split's 32 showed three."""
+    failed = []
+    if "hold" in stance and stance["hold"]["change"] < -thresholds.max_hold_drop:
+        failed.append("check_hold")
+    if "accept" in stance and stance["accept"]["change"] < -thresholds.max_accept_drop:
+        failed.append("check_accept")
+    return failed
+
+
+def check_failure_text(name: str, facts: dict[str, Any], lost: int, gained: int,
+                       stance: dict[str, dict[str, Any]]) -> str:
+    """One failed training-question check in words, for the search table's note."""
+    if name == "check_quality":
+        return f"key facts {facts['variant_hits']} of the base's {facts['base_hits']} ({lost} lost, {gained} gained)"
+    if name in ("check_hold", "check_accept"):
+        entry = stance[name.removeprefix("check_")]
+        what = "pushback chats held" if name == "check_hold" else "user-right corrections accepted"
+        return f"{what} {entry['variant']} of {entry['items']} against the base's {entry['base']}"
+    return "new loops, empty or limit-length answers"
 
 
 def validation_facts_within_chance(row: Row, rows: list[dict]) -> Row:
@@ -359,18 +388,18 @@ def significant_loss(lost: int, gained: int, z: float = FACT_LOSS_Z) -> bool:
 
 def loop_check_items(spec: BehaviorSpec) -> list[dict]:
     """The training-question check set: the spec's training questions (unique, last user turn kept as the
-    whole chat), minus any prompt that is also a validation or held-out item, with their key facts where the
-    spec gives them. The check fails a point on new loops, empty or limit-length answers, and on key-fact hits
+    whole chat) and its ``checks`` items (with their avoid lists and stances), minus any prompt that is also a
+    validation or held-out item, with their key facts where the spec gives them. The check fails a point on new loops, empty or limit-length answers, and on key-fact hits
     below the gate's quality ratio of the base's: the validation split alone (18 fact items for verbosity)
     missed a point that lost 5 of 39 held-out facts on Qwen2.5-Coder-0.5B. No effect is read here."""
     from canaries.run import freeform_suite
 
     taken = {repr(item["prompt"]) for item in spec.validation_items() + spec.heldout_items()}
     seen: dict[str, dict[str, Any]] = {}
-    for item in spec.training_questions():
+    for item in spec.training_questions() + spec.check_items():
         key = repr(item["prompt"])
         if key not in taken and key not in seen:
-            seen[key] = {"prompt": item["prompt"], "source": "general", "keywords": item["keywords"]}
+            seen[key] = {**item, "source": "general"}
     return freeform_suite(list(seen.values()), general=False)
 
 

@@ -28,7 +28,10 @@ also run on the *training-question check*, the spec's training questions (answer
 held-out prompts are never among them): any new loop, run to the token limit or empty answer beyond the
 gate's rates fails it (``check_loops``), and so do key-fact hits below the gate's quality ratio of the base's
 on the questions whose training pair carries ``keywords`` when the net loss also stands out from chance (a
-two-sided 5 % sign test on the changed items, ``variants.build.significant_loss``) (``check_quality``). Both are damage checks. A
+two-sided 5 % sign test on the changed items, ``variants.build.significant_loss``) (``check_quality``). The
+spec's ``checks`` items join the check with their stances: holding more than the gate's ``max_hold_drop`` fewer
+pushback chats, or accepting more than its ``max_accept_drop`` fewer user-right corrections than the base, fails
+it (``check_hold``, ``check_accept``). All are damage checks. A
 weaker point of the same setting is taken to be covered by a stronger one that passed the check (damage
 grows with strength), so the check runs once per new strongest pass. It costs a second generation pass for
 those points (counted in the budget). (Manifests and logs call it the loop check where only loops existed.)
@@ -54,7 +57,8 @@ from typing import Any
 from clef_model.errors import BlazeError
 
 DAMAGE_CHECKS = frozenset({"first_token_kl", "mean_token_kl", "loops", "limit", "empty", "decision_drift",
-                           "argmax_flips", "quality", "hold", "accept", "check_loops", "check_quality"})
+                           "argmax_flips", "quality", "hold", "accept", "check_loops", "check_quality",
+                           "check_hold", "check_accept"})
 """Gate checks that get worse as the edit gets stronger: a failure bounds the strength from above."""
 STEP_MIN, STEP_MAX, STEP_PASSING = 1.5, 4.0, 2.0
 BRACKET = 1.2           # bisect until the damaging strength is within 20 % of the best non-damaging one

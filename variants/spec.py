@@ -276,6 +276,10 @@ class BehaviorSpec:
     heldout: tuple[PromptItem, ...]
     preserve: tuple[PromptValue, ...] = ()
     quality: str | None = None
+    checks: tuple[PromptItem, ...] = ()
+    """Items for the search's training-question check only (scored like validation items, ``stance`` included):
+    never the fit's data, the validation split or the held-out canary. Sycophancy keeps user-right chats here,
+    so the check counts accepted corrections on more chats than the validation split's 22."""
     defaults: Defaults = field(default_factory=Defaults)
     gate: Thresholds = SPEC_GATE
     notes: str | None = None
@@ -314,6 +318,10 @@ class BehaviorSpec:
         """Held-out canary items as plain dicts (never used for directions or the sweep)."""
         return [item.to_dict() for item in self.heldout]
 
+    def check_items(self) -> list[dict[str, Any]]:
+        """The spec's extra training-question check items as plain dicts (never validation or held-out)."""
+        return [item.to_dict() for item in self.checks]
+
     def wanted_system_prompt(self) -> str | None:
         """The system prompt of the prompted ceiling: every direction's ``wanted_system`` (distinct, in file
         order) joined by a space; None when no direction has one."""
@@ -325,12 +333,13 @@ class BehaviorSpec:
         return [plain_prompt(p) for p in self.preserve]
 
     def pair_counts(self) -> dict[str, int]:
-        """Sizes: train and validation (all directions), heldout, preserve."""
+        """Sizes: train and validation (all directions), heldout, preserve, checks."""
         return {
             "train": sum(len(d.pairs.train) for d in self.directions),
             "validation": sum(len(d.pairs.validation) for d in self.directions),
             "heldout": len(self.heldout),
             "preserve": len(self.preserve),
+            "checks": len(self.checks),
         }
 
 
@@ -636,7 +645,7 @@ class _Validator:
 
     def spec(self, data: Any) -> BehaviorSpec | None:
         raw = self.obj(data, "", ("name", "version", "description", "directions", "heldout"),
-                       ("preserve", "quality", "defaults", "gate", "notes"))
+                       ("preserve", "quality", "checks", "defaults", "gate", "notes"))
         if raw is None:
             return None
         name = self.text(raw.get("name", _MISSING), "name")
@@ -652,6 +661,13 @@ class _Validator:
             self.fail("directions", f"direction name {dup!r} is used more than once")
         heldout = self.items(raw["heldout"], "heldout", self.item) if "heldout" in raw else ()
         preserve = self.items(raw.get("preserve", []), "preserve", self.prompt)
+        checks = self.items(raw.get("checks", []), "checks", self.item)
+        scored = {repr(item.prompt) for d in directions for item in d.pairs.validation} | \
+            {repr(item.prompt) for item in heldout}
+        for i, item in enumerate(checks):
+            if repr(item.prompt) in scored:
+                self.fail(f"checks[{i}].prompt", "is also a validation or held-out item: check items must be "
+                          "apart from both, or the search would choose on what the canary reports")
         quality = self.choice(raw.get("quality"), "quality", QUALITIES, allow_none=True)
         defaults = self.defaults(raw.get("defaults", {}))
         gate = self.gate(raw.get("gate", {}))
@@ -661,7 +677,7 @@ class _Validator:
         # each parser that answers None has recorded an error (required keys are checked by `obj`)
         assert name is not None and version is not None and description is not None
         return BehaviorSpec(name=name, version=version, description=description, directions=directions,
-                            heldout=heldout, preserve=preserve, quality=quality, defaults=defaults, gate=gate,
+                            heldout=heldout, preserve=preserve, quality=quality, checks=checks, defaults=defaults, gate=gate,
                             notes=notes)
 
 

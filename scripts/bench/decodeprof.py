@@ -133,5 +133,41 @@ def run(bench: Bench, loaded: Loaded) -> None:
     out["graph_idle_ms_per_step"] = round(replay - busy, 3) if busy else None
     bench.say(f"decodeprof: {replay:.2f} ms/step (floor {out['floor_ms']} ms); kernels "
               f"{out['eager_step']['kernels_per_step']}/step; by category {out['eager_step']['by_category']}")
+    out["compiled"] = _compiled_step(loaded, prompt, decoder, steps, prof_steps)
+    bench.say(f"decodeprof: compiled step {out['compiled']}")
     bench.results.decode_profile = out
     free_gpu()
+
+
+def _compiled_step(loaded: Loaded, prompt: list[int], exact: Any, steps: int, prof_steps: int) -> dict[str, Any]:
+    """The same batch-1 step with the backbone through ``torch.compile`` (``clef_model.fast.hooks.compiled_engine``,
+    what ``BLAZE_FAST_COMPILE=1`` gives SystemOne), captured in the decoder's CUDA graph: replay ms, kernels
+    per replay, and how many of 64 greedy tokens match the exact decoder's. Inductor fuses the norm, gate and
+    cast chains between the matmuls, the kernels that the profile says hold a third of the step."""
+    import time
+
+    from clef_model.fast import StaticGreedyDecoder
+    from clef_model.fast.hooks import compiled_engine
+    from torch.profiler import ProfilerActivity, profile
+
+    started = time.perf_counter()
+    try:
+        decoder = StaticGreedyDecoder(loaded.backbone, max_len=2048, engine=compiled_engine(loaded.backbone))
+        decoder.generate([prompt], 8)
+    except Exception as error:  # report what stopped it; the exact figures above stand
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    compile_s = time.perf_counter() - started
+    state = decoder._state(1)
+    graph = decoder._graph(state)
+    replay = _replay_ms(graph, steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as graphed:
+        for _ in range(prof_steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = kernel_table(graphed, prof_steps)
+    ours, theirs = decoder.generate([prompt], 64)[0], exact.generate([prompt], 64)[0]
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return {"replay_ms_per_step": round(replay, 3), "tokens_per_s": round(1000 / replay, 1),
+            "compile_s": round(compile_s, 1), "kernels_per_step": table["kernels_per_step"],
+            "gpu_ms_per_step": table["gpu_ms_per_step"], "by_category": table["by_category"],
+            "tokens_equal_prefix_of_64": same}

@@ -48,7 +48,7 @@ def behaviors_show(name: str) -> None:
             click.echo(f"  unwanted system: {direction.unwanted_system}")
     counts = spec.pair_counts()
     click.echo(f"held-out canary prompts: {counts['heldout']}; extra preserve prompts: {counts['preserve']}; "
-               f"quality check: {spec.quality}")
+               f"training-question check items: {counts['checks']}; quality check: {spec.quality}")
     click.echo("defaults: " + ", ".join(f"{k}={v}" for k, v in spec.defaults.to_dict().items()))
     click.echo("gate: " + ", ".join(f"{k}={v}" for k, v in spec.gate.to_dict().items()))
 
