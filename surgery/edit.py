@@ -21,6 +21,7 @@ from surgery import directions as dirs
 from surgery import solvers
 from surgery.directions import ContrastPair
 from surgery.plan import layer_ranges, plan, statistics_fingerprint
+from surgery.postnorm import has_post_norms, output_scales
 from surgery.statistics import PreserveSet, Statistics, cache_if_small, collect
 from surgery.targets import (
     WRITERS,
@@ -66,8 +67,10 @@ def collect_statistics(
     num_layers = len(runtime.decoder_layers())
     chosen = parse_layers(layers, num_layers) if isinstance(layers, str) else sorted(set(layers))
     say = echo or (lambda _m: None)
-    fingerprint = statistics_fingerprint(runtime, pairs, preserve, [], {"layers": str(layers), "kinds": parse_kinds(kinds),
-                                                            "batch_size": batch_size, "positions": positions})
+    extra = {"layers": str(layers), "kinds": parse_kinds(kinds), "batch_size": batch_size, "positions": positions}
+    if has_post_norms(runtime.release.architecture):
+        extra["output_scales"] = 1   # statistics of such a model made before the map are not reused
+    fingerprint = statistics_fingerprint(runtime, pairs, preserve, [], extra)
     if cache and Path(cache).exists():
         stats = Statistics.load(cache)
         if stats.meta.get("fingerprint") == fingerprint:
@@ -84,6 +87,8 @@ def collect_statistics(
     the_plan = plan(runtime, chosen, kinds, rank=rank)
     stats = collect(runtime, pairs, preserve, the_plan.targets, residual_layers=chosen, batch_size=batch_size,
                     progress=progress, positions=positions)
+    stats.output_scales = output_scales(runtime, [n for n in the_plan.targets if split_name(n)[1] in WRITERS],
+                                        {n: k.behaviour_moment for n, k in stats.keys.items()})
     stats.meta.update({
         "fingerprint": fingerprint,
         "layers": list(chosen),
@@ -213,6 +218,9 @@ def solve_factors(
                 f = solvers.Factors(U=f.U, V=f.V * 0.0, scale=0.0, null_dim=f.null_dim)
             else:
                 f = solvers.calibrate(f, basis, ks.behaviour_mean.to(dev), desired)
+            if writer and name in stats.output_scales:   # a normalised writer: residual change -> its output's
+                scale = stats.output_scales[name].to(dev).double().unsqueeze(1)
+                f = solvers.Factors(U=f.U * scale, V=f.V, scale=f.scale, null_dim=f.null_dim)
         factors[name] = f
         info[name] = _matrix_info(stats, name, f, w, layer_dirs[layer].separation if kind in WRITERS else None)
     return SolveResult(factors, info)

@@ -115,6 +115,8 @@ class Statistics:
     pair_direction: torch.Tensor              # n_pairs, index of the spec direction of each pair
     keys: dict[str, KeyStats]                 # target name -> key statistics
     meta: dict = field(default_factory=dict)
+    # writer name -> residual-to-output scale, for writers normalised before the residual (surgery.postnorm)
+    output_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     # strength-independent solver results, reused by every point of a strength sweep (never saved)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -130,6 +132,7 @@ class Statistics:
         """Bytes of all tensors (what :meth:`save` would write, before compression)."""
         tensors = [*self.wanted_means.values(), *self.unwanted_means.values(), self.pair_direction]
         tensors += [v for ks in self.keys.values() for v in vars(ks).values() if isinstance(v, torch.Tensor)]
+        tensors += list(self.output_scales.values())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def save(self, path: Path | str) -> None:
@@ -144,6 +147,7 @@ class Statistics:
                 for name, ks in self.keys.items()
             },
             "meta": self.meta,
+            "output_scales": {k: v.cpu() for k, v in self.output_scales.items()},
         }
         save_payload(payload, path)
 
@@ -161,6 +165,7 @@ class Statistics:
             keys={name: KeyStats(**{k: v for k, v in d.items() if k in KeyStats.__dataclass_fields__})
                   for name, d in payload["keys"].items()},
             meta=payload["meta"],
+            output_scales=payload.get("output_scales", {}),
         )
 
 

@@ -146,9 +146,10 @@ def _compiled_step(loaded: Loaded, prompt: list[int], exact: Any, steps: int, pr
     cast chains between the matmuls, the kernels that the profile says hold a third of the step."""
     import time
 
+    from torch.profiler import ProfilerActivity, profile
+
     from clef_model.fast import StaticGreedyDecoder
     from clef_model.fast.hooks import compiled_engine
-    from torch.profiler import ProfilerActivity, profile
 
     started = time.perf_counter()
     try:
@@ -166,7 +167,7 @@ def _compiled_step(loaded: Loaded, prompt: list[int], exact: Any, steps: int, pr
         torch.cuda.synchronize()
     table = kernel_table(graphed, prof_steps)
     ours, theirs = decoder.generate([prompt], 64)[0], exact.generate([prompt], 64)[0]
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
     return {"replay_ms_per_step": round(replay, 3), "tokens_per_s": round(1000 / replay, 1),
             "compile_s": round(compile_s, 1), "kernels_per_step": table["kernels_per_step"],
             "gpu_ms_per_step": table["gpu_ms_per_step"], "by_category": table["by_category"],
