@@ -21,7 +21,7 @@ from surgery import directions as dirs
 from surgery import solvers
 from surgery.directions import ContrastPair
 from surgery.plan import layer_ranges, plan, statistics_fingerprint
-from surgery.postnorm import has_post_norms, output_scales
+from surgery.postnorm import GAIN_FLOOR, MAP_VERSION, has_post_norms, output_scales
 from surgery.statistics import PreserveSet, Statistics, cache_if_small, collect
 from surgery.targets import (
     WRITERS,
@@ -69,7 +69,7 @@ def collect_statistics(
     say = echo or (lambda _m: None)
     extra = {"layers": str(layers), "kinds": parse_kinds(kinds), "batch_size": batch_size, "positions": positions}
     if has_post_norms(runtime.release.architecture):
-        extra["output_scales"] = 1   # statistics of such a model made before the map are not reused
+        extra["output_scales"] = [MAP_VERSION, GAIN_FLOOR]   # scales of another map version are not reused
     fingerprint = statistics_fingerprint(runtime, pairs, preserve, [], extra)
     if cache and Path(cache).exists():
         stats = Statistics.load(cache)
@@ -205,6 +205,10 @@ def solve_factors(
         if method == "ablate":
             if w is None:
                 raise BlazeError(f"ablate needs the weight of {name}: pass weights=")
+            if writer and name in stats.output_scales:
+                raise BlazeError(f"ablate cannot edit {name}: its output is normalised before the residual stream "
+                                 "(Gemma 3), so removing a direction from it does not remove it from the residual; "
+                                 "use --method steer, nullspace or distill, or --kinds readers")
             if writer:
                 f = solvers.ablate_output(w, basis, alpha)
             else:

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 POST_NORMS: dict[str, dict[str, str]] = {
     "gemma3": {"self_attn.o_proj": "post_attention_layernorm", "mlp.down_proj": "post_feedforward_layernorm"},
 }
+MAP_VERSION = 1
+"""Bumped when the map changes: statistics fingerprints of such models hold it (with GAIN_FLOOR), so scales
+cached under another version are collected again."""
 GAIN_FLOOR = 0.1
 """ε of the damped inverse, as a fraction of the median |g|: dimensions whose gain is below it are moved less
 than asked instead of by a huge output change (Gemma 3 270M has gains from -1.1 to 741)."""
@@ -53,8 +56,10 @@ def norm_gain(norm: torch.nn.Module, width: int, device: torch.device, dtype: to
 
 def inverse_scale(gain: torch.Tensor, weight: torch.Tensor, key_moment: torch.Tensor) -> torch.Tensor:
     """s = rms(y) · g / (g² + ε²) for a writer of weight W (d_out × d_in) with key moment E[k kᵀ] (d_in × d_in)."""
-    w = weight.double()
-    rms = torch.sqrt(((w @ key_moment.double()) * w).sum().clamp(min=0.0) / w.shape[0])
+    w = weight.float()    # float32 products, float64 sum: the d_in² moment is not copied to float64 on a GPU
+    energy = ((w @ key_moment.float()) * w).double().sum().clamp(min=0.0)
+    rms = torch.sqrt(energy / w.shape[0])
+    gain = gain.double()
     floor = GAIN_FLOOR * gain.abs().median()
     return rms * gain / (gain * gain + floor * floor)
 

@@ -9,6 +9,10 @@ Two kinds of statistics are kept (never raw activations):
   behaviour keys (response positions of both sides of every pair), the same over preserved keys
   (every position of the typed-decision requests and of neutral chat text), and per-pair key means.
 
+For writers whose output is normalised before the residual (Gemma 3) a :class:`Statistics` also holds the
+residual-to-output scale of :mod:`surgery.postnorm` (``output_scales``, set by
+``surgery.edit.collect_statistics``).
+
 Moments are accumulated on the runtime's device through forward hooks: each batch's product in float32,
 the running sums in float32 (CUDA, memory) or float64 (CPU); the final ``lm_head`` is never run. A :class:`Statistics` object saves to one file with
 ``torch.save`` so a strength sweep or a second build reuses it.

@@ -152,3 +152,28 @@ def test_solve_settings_refuse_non_finite_numbers():
     for bad in ({"lam": float("nan")}, {"lam": float("inf")}, {"strength": -1.0}, {"rank": 0}, {"method": "x"}):
         with pytest.raises(BlazeError):
             SolveSettings(**bad)
+
+
+def test_a_normalised_writers_output_factor_is_scaled_and_nothing_else(stats, tmp_path):
+    """With a post-norm scale for one writer (as ``collect_statistics`` stores for Gemma 3), the steer solve
+    multiplies that writer's U by it and leaves V and every other matrix alone; ablate refuses that writer; the
+    scale survives a save and load of the statistics."""
+    import dataclasses
+
+    writer = next(n for n in stats.targets if split_name(n)[1] == "mlp.down_proj")
+    d_out = stats.wanted_means[split_name(writer)[0]].shape[1]
+    scale = torch.linspace(0.5, 2.0, d_out)
+    scaled = dataclasses.replace(stats, output_scales={writer: scale}, memo={})
+    plain = solve_factors(stats, "steer", 0.2, 2, 1.0).factors
+    mapped = solve_factors(scaled, "steer", 0.2, 2, 1.0).factors
+    assert torch.allclose(mapped[writer].U, plain[writer].U * scale.double().unsqueeze(1))
+    assert torch.allclose(mapped[writer].V, plain[writer].V)
+    for name in stats.targets:
+        if name != writer:
+            assert torch.equal(mapped[name].U, plain[name].U) and torch.equal(mapped[name].V, plain[name].V)
+    with pytest.raises(BlazeError, match="normalised before the residual"):
+        solve_factors(scaled, "ablate", 0.5, 1, 1.0, weights=lambda name: torch.zeros(d_out, d_out))
+    scaled.save(tmp_path / "s.pt")
+    again = type(stats).load(tmp_path / "s.pt")
+    assert set(again.output_scales) == {writer} and torch.equal(again.output_scales[writer], scale)
+    assert stats.output_scales == {}                  # the tiny Clef model's writers add to the residual as they are

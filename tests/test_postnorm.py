@@ -66,7 +66,7 @@ def test_output_scales_cover_the_normalised_writers_only():
     runtime = types.SimpleNamespace(release=types.SimpleNamespace(architecture="gemma3"),
                                     decoder_layers=lambda: [layer], named_linears=lambda: names)
     moments = {n: torch.eye(m.in_features, dtype=torch.float64) for n, m in names.items()}
-    scales = output_scales(runtime, ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"], moments)
+    scales = output_scales(runtime, list(names), moments)
     assert set(scales) == {"model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"}
     assert all(s.shape == (64,) and torch.isfinite(s).all() for s in scales.values())
     runtime.release.architecture = "llama"

@@ -352,3 +352,9 @@ def test_check_items_load_and_must_stay_apart_from_validation_and_heldout():
     data["checks"].append({"prompt": "What is the speed of light?", "keywords": ["299"]})
     with pytest.raises(SpecError, match=r"checks\[1\].prompt: is also a validation or held-out item"):
         parse_behavior(data)
+    data["checks"][1] = {"prompt": "What is the boiling point of water?", "keywords": ["100"]}   # a training pair's
+    with pytest.raises(SpecError, match=r"checks\[1\].prompt: is also a training pair's or a preserve prompt"):
+        parse_behavior(data)
+    data["checks"][1] = {"prompt": "Tell me about the history of Rome.", "keywords": ["Rome"]}  # a preserve prompt
+    with pytest.raises(SpecError, match=r"checks\[1\].prompt: is also a training pair's or a preserve prompt"):
+        parse_behavior(data)

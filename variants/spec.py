@@ -664,10 +664,14 @@ class _Validator:
         checks = self.items(raw.get("checks", []), "checks", self.item)
         scored = {repr(item.prompt) for d in directions for item in d.pairs.validation} | \
             {repr(item.prompt) for item in heldout}
+        fitted = {repr(pair.prompt) for d in directions for pair in d.pairs.train} | {repr(p) for p in preserve}
         for i, item in enumerate(checks):
             if repr(item.prompt) in scored:
                 self.fail(f"checks[{i}].prompt", "is also a validation or held-out item: check items must be "
                           "apart from both, or the search would choose on what the canary reports")
+            elif repr(item.prompt) in fitted:
+                self.fail(f"checks[{i}].prompt", "is also a training pair's or a preserve prompt: check items "
+                          "must be apart from the fit's data (the check would judge the edit on what it was fit to)")
         quality = self.choice(raw.get("quality"), "quality", QUALITIES, allow_none=True)
         defaults = self.defaults(raw.get("defaults", {}))
         gate = self.gate(raw.get("gate", {}))
