@@ -123,6 +123,20 @@ def _check(name: str, value: Any, op: str, threshold: Any, detail: str) -> dict[
     return {"name": name, "value": value, "op": op, "threshold": threshold, "passed": bool(passed), "detail": detail}
 
 
+def stance_checks(stance: Mapping[str, Mapping[str, Any]], t: Thresholds) -> list[dict[str, Any]]:
+    """The checks of a free-form summary's stance counts (``canaries.freeform.stance_counts``): pushback chats held
+    and user-right corrections accepted, variant − base, against ``max_hold_drop`` / ``max_accept_drop``. Also
+    what the strength search's training-question check applies to its stance items."""
+    checks = []
+    if "hold" in stance:
+        checks.append(_check("hold", stance["hold"]["change"], ">=", -t.max_hold_drop,
+                             f"pushback chats held, variant − base (of {stance['hold']['items']})"))
+    if "accept" in stance:
+        checks.append(_check("accept", stance["accept"]["change"], ">=", -t.max_accept_drop,
+                             f"user-right corrections accepted, variant − base (of {stance['accept']['items']})"))
+    return checks
+
+
 def evaluate(report: dict[str, Any], thresholds: Thresholds | Mapping[str, Any] | None) -> dict[str, Any]:
     """Gate checks over a report's sections; `passed` is True when every check passed.
 
@@ -161,13 +175,7 @@ def evaluate(report: dict[str, Any], thresholds: Thresholds | Mapping[str, Any] 
     if quality["gated"] and quality["ratio"] is not None:
         checks.append(_check("quality", quality["ratio"], ">=", t.min_quality_ratio,
                              f"variant keyword hits / base hits ({quality['check']})"))
-    stance = free.get("stance") or {}
-    if "hold" in stance:
-        checks.append(_check("hold", stance["hold"]["change"], ">=", -t.max_hold_drop,
-                             f"pushback chats held, variant − base (of {stance['hold']['items']})"))
-    if "accept" in stance:
-        checks.append(_check("accept", stance["accept"]["change"], ">=", -t.max_accept_drop,
-                             f"user-right corrections accepted, variant − base (of {stance['accept']['items']})"))
+    checks.extend(stance_checks(free.get("stance") or {}, t))
     integrity = report.get("integrity")
     if integrity:
         checks.append(_check("integrity", bool(integrity["passed"]), "==", True,

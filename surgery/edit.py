@@ -87,7 +87,7 @@ def collect_statistics(
     the_plan = plan(runtime, chosen, kinds, rank=rank)
     stats = collect(runtime, pairs, preserve, the_plan.targets, residual_layers=chosen, batch_size=batch_size,
                     progress=progress, positions=positions)
-    stats.output_scales = output_scales(runtime, [n for n in the_plan.targets if split_name(n)[1] in WRITERS],
+    stats.output_scales = output_scales(runtime, the_plan.targets,        # writers with a post-norm only
                                         {n: k.behaviour_moment for n, k in stats.keys.items()})
     stats.meta.update({
         "fingerprint": fingerprint,

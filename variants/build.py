@@ -295,18 +295,18 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
         if rates["check_loops"] > thresholds.max_loop_rate or rates["check_empty"] > thresholds.max_empty_rate \
                 or rates["check_limit"] > thresholds.max_limit_rate:
             failed.append("check_loops")
-        failed.extend(stance_failures(free.get("stance") or {}, thresholds))
+        stance = free.get("stance") or {}
+        failed.extend(stance_failures(stance, thresholds))
         facts = free["quality"]
         if facts["items"] and facts["ratio"] is not None:
             rates["check_quality"] = facts["ratio"]
             if facts["ratio"] < thresholds.min_quality_ratio and significant_loss(lost, gained):
                 failed.append("check_quality")
         values = {**row.values, **rates}
-        for measure, entry in (free.get("stance") or {}).items():
+        for measure, entry in stance.items():
             values[f"check_{measure}"] = entry["change"]
         if failed:
-            why = "; ".join(check_failure_text(name, facts, lost, gained, free.get("stance") or {})
-                            for name in failed)
+            why = "; ".join(check_failure_text(name, facts, lost, gained, stance) for name in failed)
             note = f"training-question check on {len(check)} questions failed: {why}"
             return dataclasses.replace(row, passed=False, failed=(*row.failed, *failed), values=values,
                                        passes=2, note="; ".join(filter(None, (row.note, note))))
@@ -317,17 +317,13 @@ def validation_evaluator(runtime: Runtime, spec: BehaviorSpec, settings: EditSet
 
 
 def stance_failures(stance: dict[str, dict[str, Any]], thresholds: Thresholds) -> list[str]:
-    """The training-question check's stance failures, with the gate's own bounds: ``check_hold`` when the
-    variant holds more than ``max_hold_drop`` fewer pushback chats than the base, ``check_accept`` when it
-    accepts more than ``max_accept_drop`` fewer user-right corrections. Absolute counts, as in the gate: on
-    SmolLM2 the validation split's 22 user-right chats showed one lost acceptance (allowed) where the held-out
-    split's 32 showed three."""
-    failed = []
-    if "hold" in stance and stance["hold"]["change"] < -thresholds.max_hold_drop:
-        failed.append("check_hold")
-    if "accept" in stance and stance["accept"]["change"] < -thresholds.max_accept_drop:
-        failed.append("check_accept")
-    return failed
+    """The training-question check's stance failures: the gate's own stance checks
+    (:func:`canaries.gate.stance_checks`) that failed, named ``check_hold`` / ``check_accept``. Absolute counts,
+    as in the gate: on SmolLM2 the validation split's 22 user-right chats showed one lost acceptance (allowed)
+    where the held-out split's 32 showed three."""
+    from canaries.gate import stance_checks
+
+    return [f"check_{c['name']}" for c in stance_checks(stance, thresholds) if not c["passed"]]
 
 
 def check_failure_text(name: str, facts: dict[str, Any], lost: int, gained: int,
